@@ -1,0 +1,155 @@
+"""reprules: replication rules for opaque kernels inside ``jax.shard_map``.
+
+Declare once how a Pallas kernel's outputs vary over the mesh axes, and
+``shard_map`` checking (``check_rep=True`` on JAX <= 0.5, ``check_vma=True``
+from 0.6) works on every supported JAX: no defensive all-reduces in the
+backward pass, the necessary ones kept, gradients exact.
+
+Example:
+    ```python
+    import reprules
+    from jax.experimental import pallas as pl
+
+    @reprules.replication_rule()          # outputs vary like the inputs' union
+    def copy_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+    ```
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from typing import TypeVar, overload
+
+from reprules import rules as rules
+from reprules._errors import MissingRuleError as MissingRuleError
+from reprules._errors import RegistrationError as RegistrationError
+from reprules._errors import ReprulesError as ReprulesError
+from reprules._errors import RuleError as RuleError
+from reprules._errors import UnsupportedJaxError as UnsupportedJaxError
+from reprules._registry import Registration as Registration
+
+try:
+    __version__ = importlib.metadata.version("reprules")
+except importlib.metadata.PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "MissingRuleError",
+    "Registration",
+    "RegistrationError",
+    "ReprulesError",
+    "RuleError",
+    "UnsupportedJaxError",
+    "jax_support",
+    "registered",
+    "replication_rule",
+    "rules",
+    "unregister",
+]
+
+K = TypeVar("K", bound=Callable[..., object])
+
+
+@overload
+def replication_rule(rule: None = None, *, override: bool = False) -> Callable[[K], K]: ...
+@overload
+def replication_rule(rule: rules.RuleLike, *, override: bool = False) -> Callable[[K], K]: ...
+def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = False) -> Callable[[K], K]:
+    """Declares how a kernel's outputs vary over the mesh axes.
+
+    Decorate the kernel function passed to ``pl.pallas_call`` (or apply the
+    result to a kernel you cannot edit). Calls of that kernel, also through
+    ``functools.partial`` or with ``name=``, then work inside ``shard_map``
+    with checking on, with no change at the call site.
+
+    Args:
+      rule: One of :mod:`reprules.rules` or any :class:`reprules.rules.Rule`
+        callable. Defaults to ``rules.same()``.
+      override: Replace a different rule already registered for this kernel.
+
+    Returns:
+      A decorator that registers the rule and returns the kernel unchanged.
+
+    Raises:
+      RegistrationError: the kernel already has a different rule and
+        ``override`` is false, or the target is not a kernel function.
+      UnsupportedJaxError: the installed JAX is outside the supported range.
+
+    Example:
+        ```python
+        @replication_rule(rules.invariant("model"))  # the kernel all-reduces over "model"
+        def allreduce_kernel(x_ref, o_ref): ...
+
+        replication_rule()(layer_norm._layer_norm_forward_kernel)  # someone else's kernel
+        ```
+    """
+    from reprules import _registry, _shim
+
+    chosen: rules.RuleLike = rules.same() if rule is None else rule
+
+    def register(kernel: K) -> K:
+        _registry.register(kernel, chosen, override=override)
+        try:
+            _shim.activate()
+        except BaseException:
+            _registry.unregister(kernel)
+            raise
+        return kernel
+
+    if _looks_like_kernel(rule):
+        raise RegistrationError(
+            f"replication_rule was applied directly to {getattr(rule, '__name__', rule)!r}.\n"
+            "Why: replication_rule takes a rule and returns a decorator.\n"
+            "Fix: write `@replication_rule()` (with parentheses) or "
+            "`@replication_rule(rules.same())`."
+        )
+    return register
+
+
+def _looks_like_kernel(obj: object) -> bool:
+    """A plain function whose first parameter is a ref, not a RuleContext."""
+    import inspect
+
+    if not inspect.isfunction(obj):
+        return False
+    try:
+        params = list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0] != "ctx" and params[0].endswith("_ref")
+
+
+def unregister(kernel: Callable[..., object]) -> bool:
+    """Removes the rule of ``kernel`` (for tests); returns whether it had one.
+
+    When the last rule is removed, every JAX patch is undone.
+    """
+    from reprules import _registry, _shim
+
+    removed = _registry.unregister(kernel)
+    if _registry.is_empty():
+        _shim.deactivate()
+    return removed
+
+
+def registered() -> dict[str, Registration]:
+    """Every registered kernel, keyed by ``module.qualname``, with its rule."""
+    from reprules import _registry
+
+    return _registry.registered()
+
+
+def jax_support() -> dict[str, str]:
+    """The installed JAX version and the mechanism reprules uses for it."""
+    from reprules import _shim
+
+    module = _shim.regime()
+    return {
+        "jax": _shim.JAX_VERSION,
+        "regime": module.NAME,
+        "versions": module.VERSIONS,
+        "mechanism": module.MECHANISM,
+        "check_flag": module.CHECK_FLAG,
+    }

@@ -1,0 +1,87 @@
+"""Runs a rule for one call and checks its answer, whatever the JAX regime."""
+
+from __future__ import annotations
+
+from collections.abc import Set
+
+from reprules._errors import RuleError, fmt_axes
+from reprules._registry import Registration
+from reprules.rules import Decision, RuleContext, VaryingSet
+
+
+def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ...]) -> Decision:
+    """Calls ``reg.rule`` and validates the answer against ``ctx``."""
+    where = (
+        f"kernel {ctx.kernel_name!r} (rule {reg.rule!r}, mesh axes {fmt_axes(ctx.mesh_axes)}, "
+        f"inputs varying over {[sorted(v) for v in in_varying]}, JAX {ctx.jax_version})"
+    )
+    try:
+        answer = reg.rule(ctx, in_varying)
+    except RuleError:
+        raise
+    except Exception as err:
+        raise RuleError(
+            f"The replication rule of {where} raised {type(err).__name__}: {err}\n"
+            "Fix: make the rule return a Decision (or one set of axis names per output) "
+            "for these inputs."
+        ) from err
+
+    if isinstance(answer, Decision):
+        outputs, inputs = answer.outputs, answer.inputs
+    elif isinstance(answer, (list, tuple)):
+        outputs, inputs = answer, None
+    else:
+        raise RuleError(
+            f"The replication rule of {where} returned {answer!r} of type "
+            f"{type(answer).__name__}.\n"
+            "Fix: return a reprules.rules.Decision, or a list with one set of axis names "
+            "per output."
+        )
+    outputs = tuple(_as_set(o, where, "output") for o in outputs)
+    if len(outputs) != ctx.num_outputs:
+        raise RuleError(
+            f"The replication rule of {where} returned {len(outputs)} output varying sets, "
+            f"but the kernel has {ctx.num_outputs} outputs.\n"
+            "Fix: return one set per (flattened) output."
+        )
+    if inputs is not None:
+        inputs = tuple(_as_set(i, where, "input") for i in inputs)
+        if len(inputs) != len(in_varying):
+            raise RuleError(
+                f"The replication rule of {where} returned {len(inputs)} input casts, but the "
+                f"kernel has {len(in_varying)} inputs.\n"
+                "Fix: return one set per (flattened) input, or inputs=None."
+            )
+        for i, (now, target) in enumerate(zip(in_varying, inputs)):
+            if not now <= target:
+                raise RuleError(
+                    f"The replication rule of {where} casts input {i} from {fmt_axes(now)} "
+                    f"down to {fmt_axes(target)}.\n"
+                    "Why: making a varying value replicated needs a collective, not a cast.\n"
+                    "Fix: inputs can only be cast up to more axes; do the reduction "
+                    "explicitly (jax.lax.psum) before the kernel."
+                )
+    for s in outputs + (inputs or ()):
+        unknown = s - frozenset(ctx.mesh_axes)
+        if unknown:
+            raise RuleError(
+                f"The replication rule of {where} names axes {sorted(unknown)} that are not "
+                "manual axes of the enclosing shard_map.\n"
+                "Fix: name only axes of the shard_map's mesh in the rule."
+            )
+    return Decision(outputs=outputs, inputs=inputs)
+
+
+def _as_set(value: object, where: str, what: str) -> VaryingSet:
+    if isinstance(value, str) or not isinstance(value, Set | list | tuple):
+        raise RuleError(
+            f"The replication rule of {where} returned {value!r} for an {what}; expected a "
+            "set of mesh axis names.\n"
+            "Fix: return e.g. frozenset({'data'}) (frozenset() for replicated)."
+        )
+    if not all(isinstance(a, str) for a in value):
+        raise RuleError(
+            f"The replication rule of {where} returned {value!r} for an {what}; axis names "
+            "must be strings.\nFix: use the mesh's axis names."
+        )
+    return frozenset(value)

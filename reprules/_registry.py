@@ -1,0 +1,117 @@
+"""Which kernel has which rule.
+
+A rule belongs to the kernel *object* (not its name): two kernels that share a
+``__name__`` keep their own rules, and a kernel reaching ``pallas_call`` through
+``functools.partial`` finds the rule of the function it wraps. Entries are weak,
+so registering never keeps a kernel alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+
+from reprules._errors import RegistrationError
+from reprules.rules import RuleLike
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Registration:
+    """A registered rule and where it came from (for messages and listings)."""
+
+    rule: RuleLike
+    name: str
+    where: str  # "module.qualname"
+    kernel_ref: Callable[[], object | None]  # weak: registering keeps nothing alive
+
+    def kernel(self) -> object | None:
+        return self.kernel_ref()
+
+    def describe(self) -> str:
+        return f"{self.where} -> {self.rule!r}"
+
+
+_lock = threading.RLock()
+_rules: weakref.WeakKeyDictionary[object, Registration] = weakref.WeakKeyDictionary()
+
+
+def kernel_name(kernel: object) -> str:
+    """The name JAX would show for ``kernel``, looking through partials."""
+    while isinstance(kernel, functools.partial):
+        kernel = kernel.func
+    return getattr(kernel, "__name__", None) or type(kernel).__name__
+
+
+def _where(kernel: object) -> str:
+    module = getattr(kernel, "__module__", None) or "?"
+    qualname = getattr(kernel, "__qualname__", None) or kernel_name(kernel)
+    return f"{module}.{qualname}"
+
+
+def register(kernel: object, rule: RuleLike, *, override: bool) -> Registration:
+    if isinstance(kernel, functools.partial) or not callable(kernel):
+        raise RegistrationError(
+            f"Cannot register a replication rule on {kernel!r}: it is "
+            f"{'a functools.partial' if callable(kernel) else 'not callable'}.\n"
+            "Why: a rule belongs to the kernel function itself, and partials of it "
+            "find that rule automatically.\n"
+            "Fix: decorate the function passed to pl.pallas_call (the underlying "
+            "function, not a partial of it)."
+        )
+    if not callable(rule):
+        raise RegistrationError(
+            f"The rule given for kernel {_where(kernel)!r} is {rule!r}, which is not callable.\n"
+            "Fix: pass one of reprules.rules (e.g. rules.same()) or a callable "
+            "`rule(ctx, in_varying) -> Decision | sequence of sets`."
+        )
+    new = Registration(
+        rule=rule, name=kernel_name(kernel), where=_where(kernel), kernel_ref=weakref.ref(kernel)
+    )
+    with _lock:
+        old = _rules.get(kernel)
+        if old is not None and old.rule != rule and not override:
+            raise RegistrationError(
+                f"Kernel {new.where!r} already has the replication rule {old.rule!r}; "
+                f"refusing to replace it with {rule!r}.\n"
+                "Why: two rules for one kernel would make its typing depend on import order.\n"
+                "Fix: pass override=True to replication_rule(...) if the replacement is "
+                "intended, or call reprules.unregister(kernel) first."
+            )
+        _rules[kernel] = new
+    return new
+
+
+def unregister(kernel: object) -> bool:
+    """Removes ``kernel``'s rule; returns whether it had one."""
+    with _lock:
+        return _rules.pop(kernel, None) is not None
+
+
+def lookup(kernel: object) -> Registration | None:
+    """The rule of ``kernel``, or of the function a chain of partials wraps."""
+    with _lock:
+        while True:
+            try:
+                reg = _rules.get(kernel)
+            except TypeError:  # not weak-referenceable, so never registered
+                reg = None
+            if reg is not None or not isinstance(kernel, functools.partial):
+                return reg
+            kernel = kernel.func
+
+
+def registered() -> dict[str, Registration]:
+    """A snapshot of the registry, keyed by ``module.qualname``."""
+    with _lock:
+        return {reg.where: reg for reg in _rules.values()}
+
+
+def is_empty() -> bool:
+    with _lock:
+        return not _rules
+
+
+Kernel = Callable[..., object]

@@ -1,0 +1,161 @@
+"""Shim pieces shared by every regime: patch bookkeeping and the Pallas hooks.
+
+How a rule reaches JAX, in every version:
+
+1. ``pallas_call`` is wrapped at its Python entry point, where the kernel
+   *object* is still known, so the rule can be looked up by identity.
+2. While a registered kernel's call is being traced, a context variable says
+   so; a hook on ``pallas_call_p.bind`` then remembers the kernel jaxpr of that
+   bind (weakly). Primitive-level machinery (rep-regime check/rewrite rules,
+   the interpret-mode lowering fix) identifies registered calls by that jaxpr,
+   since by then only the equation's params are left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from reprules._registry import Registration
+
+JAX_VERSION: str = jax.__version__
+
+
+def version_tuple(version: str = JAX_VERSION) -> tuple[int, ...]:
+    parts = []
+    for p in version.split("."):
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+class Patches:
+    """Attribute and dict patches that can be undone in reverse order."""
+
+    _MISSING = object()
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def setattr(self, obj: Any, name: str, value: Any) -> None:
+        old = obj.__dict__.get(name, self._MISSING) if hasattr(obj, "__dict__") else getattr(obj, name)
+
+        def undo() -> None:
+            if old is self._MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+        setattr(obj, name, value)
+        self._undo.append(undo)
+
+    def setitem(self, mapping: Any, key: Any, value: Any) -> None:
+        old = mapping.get(key, self._MISSING)
+
+        def undo() -> None:
+            if old is self._MISSING:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = old
+
+        mapping[key] = value
+        self._undo.append(undo)
+
+    def undo_all(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+# --- which pallas_call equations belong to registered kernels -----------------
+
+_tracing: contextvars.ContextVar[Registration | None] = contextvars.ContextVar(
+    "reprules_tracing", default=None
+)
+_by_jaxpr: weakref.WeakKeyDictionary[Any, Registration] = weakref.WeakKeyDictionary()
+_by_jaxpr_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def tracing(reg: Registration) -> Iterator[None]:
+    token = _tracing.set(reg)
+    try:
+        yield
+    finally:
+        _tracing.reset(token)
+
+
+def registration_of(params: dict[str, Any]) -> Registration | None:
+    """The registration behind a ``pallas_call_p`` equation, from its params."""
+    with _by_jaxpr_lock:
+        return _by_jaxpr.get(params.get("jaxpr"))
+
+
+def pallas_call_p() -> Any:
+    # Same path from 0.4.28 to 0.12.
+    from jax._src.pallas.pallas_call import pallas_call_p as p
+
+    return p
+
+
+def kernel_name_from_params(params: dict[str, Any]) -> str:
+    """The kernel name JAX stored on a ``pallas_call_p`` equation."""
+    info = params.get("name_and_src_info")  # 0.4.31+
+    if info is not None:
+        return getattr(info, "name", None) or str(info)
+    return str(params.get("name", "pallas_call"))
+
+
+def install_pallas_hooks(patches: Patches, wrap_call: Callable[..., Any]) -> None:
+    """Wraps the ``pallas_call`` entry point and hooks ``pallas_call_p.bind``.
+
+    ``wrap_call(reg, kernel, out_shape, make_call, call)`` returns the function
+    users get back from ``pallas_call(kernel, out_shape, ...)`` for a registered
+    kernel; ``make_call(new_out_shape)`` builds JAX's own for another out_shape.
+    """
+    from jax._src.pallas import pallas_call as pallas_call_mod
+
+    from reprules._registry import lookup
+
+    prim = pallas_call_p()
+    original_bind = type(prim).bind
+
+    def bind(*args: Any, **params: Any) -> Any:
+        reg = _tracing.get()
+        if reg is not None and "jaxpr" in params:
+            with _by_jaxpr_lock:
+                _by_jaxpr[params["jaxpr"]] = reg
+        return original_bind(prim, *args, **params)
+
+    patches.setattr(prim, "bind", bind)
+
+    def entry_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def pallas_call(kernel: Any, out_shape: Any, *args: Any, **kwargs: Any) -> Any:
+            call = original(kernel, out_shape, *args, **kwargs)
+            reg = lookup(kernel)
+            if reg is None:
+                return wrap_call(None, kernel, out_shape, None, call)
+            return wrap_call(
+                reg, kernel, out_shape, lambda new: original(kernel, new, *args, **kwargs), call
+            )
+
+        pallas_call.__wrapped__ = original  # type: ignore[attr-defined]
+        pallas_call.__doc__ = original.__doc__
+        return pallas_call
+
+    if hasattr(pallas_call_mod, "_pallas_call"):
+        # 0.5.0+: the public pallas_call (and pl.kernel) delegate to this module
+        # global, so one patch covers callers that imported pallas_call early.
+        patches.setattr(pallas_call_mod, "_pallas_call", entry_wrapper(pallas_call_mod._pallas_call))
+    else:
+        # 0.4.28 - 0.4.38: pallas_call does everything itself.
+        import jax.experimental.pallas as pl
+
+        wrapped = entry_wrapper(pallas_call_mod.pallas_call)
+        patches.setattr(pallas_call_mod, "pallas_call", wrapped)
+        patches.setattr(pl, "pallas_call", wrapped)

@@ -1,0 +1,50 @@
+"""The *mat* regime: JAX 0.10 - 0.12 (``jax.shard_map(..., check_vma=True)``).
+
+Same design as the vma regime (see ``vma.py``), but 0.10.0 replaced
+``ShapedArray.vma`` by ``manual_axis_type`` (read as ``.mat``, a
+``core.ManualAxisType`` whose ``varying`` field is the old vma set), and
+``ShapeDtypeStruct(vma=...)`` by ``ShapeDtypeStruct(manual_axis_type=...)``.
+Only the type field differs, so only that is overridden here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reprules._shim import vma
+
+NAME = "mat"
+VERSIONS = "0.10.x - 0.12.x"
+MECHANISM = "check_vma: ShapedArray.manual_axis_type on out_shape, pvary casts, interpret lowering fix"
+CHECK_FLAG = "check_vma"
+
+
+class TypeField(vma.TypeField):
+    sds_keyword = "manual_axis_type"
+
+    def varying(self, aval: Any) -> frozenset[str]:
+        mat = getattr(aval, "mat", None)
+        return frozenset(mat.varying) if mat is not None else frozenset()
+
+    def annotated(self, sds: Any) -> bool:
+        return getattr(sds, "manual_axis_type", None) is not None
+
+    def sds_value(self, varying: frozenset[str]) -> Any:
+        from jax._src import core
+
+        return core.ManualAxisType(varying=frozenset(varying))
+
+    def strip(self, aval: Any) -> Any:
+        from jax._src import core
+
+        return aval.update_manual_axis_type(core.empty_mat) if hasattr(aval, "mat") else aval
+
+
+def detect() -> bool:
+    from jax._src import core
+
+    return hasattr(core, "ManualAxisType") and hasattr(core.ShapedArray, "update_manual_axis_type")
+
+
+_regime = vma.Regime(TypeField())
+install = _regime.install

@@ -1,0 +1,117 @@
+"""The *rep* regime: JAX 0.4.28 - 0.5.x (``shard_map(..., check_rep=True)``).
+
+Replication is not in the types. ``jax.experimental.shard_map`` keeps two dicts
+keyed by primitive: check rules (``_check_rules``, used by ``_check_rep`` and
+eager tracing) and rewrite rules (``_rewrite_rules``, used by ``RewriteTrace``
+to insert ``pbroadcast``s whose transposes are the needed psums). reprules
+installs one check and one rewrite rule for ``pallas_call_p`` that dispatch to
+the kernel's own rule. The ``register_*`` helpers are first-wins
+(``setdefault``), so we write the dicts directly and restore them on removal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from reprules import _errors
+from reprules._decide import decide
+from reprules._registry import Registration
+from reprules._shim import _common
+from reprules.rules import RuleContext
+
+NAME = "rep"
+VERSIONS = "0.4.28 - 0.5.x"
+MECHANISM = "check_rep: check + rewrite rules in jax.experimental.shard_map"
+CHECK_FLAG = "check_rep"
+
+
+def detect() -> bool:
+    try:
+        from jax.experimental import shard_map as sm
+    except ImportError:
+        return False
+    return hasattr(sm, "_check_rules") and hasattr(sm, "_rewrite_rules")
+
+
+def _user_operands(params: dict[str, Any], num_operands: int) -> tuple[int, int]:
+    """(first user operand, number of outputs) of a ``pallas_call_p`` equation.
+
+    Kernel constants and dynamic grid bounds come first; the user's arrays last.
+    """
+    if "in_shapes" in params:  # 0.4.28 - 0.4.3x
+        num_user, num_out = len(params["in_shapes"]), len(params["out_shapes"])
+    else:  # 0.4.3x - 0.5.x
+        gm = params["grid_mapping"]
+        num_user = gm.num_index_operands + gm.num_inputs
+        num_out = len(params["out_avals"]) if "out_avals" in params else gm.num_outputs
+    return num_operands - num_user, num_out
+
+
+def _decide_eqn(mesh: Any, in_rep: tuple[Any, ...], params: dict[str, Any]):
+    all_axes = frozenset(mesh.axis_names)
+    reg = _common.registration_of(params)
+    if reg is None:
+        raise _errors.MissingRuleError(
+            _errors.missing_rule_message(
+                _common.kernel_name_from_params(params), all_axes, _common.JAX_VERSION
+            )
+        )
+    first, num_out = _user_operands(params, len(in_rep))
+    # A rep of None marks a literal: replicated everywhere.
+    in_vary = tuple(all_axes - r if r is not None else frozenset() for r in in_rep[first:])
+    ctx = RuleContext(
+        kernel_name=reg.name,
+        kernel=reg.kernel(),
+        mesh_axes=tuple(mesh.axis_names),
+        num_inputs=len(in_vary),
+        num_outputs=num_out,
+        jax_version=_common.JAX_VERSION,
+    )
+    return first, in_vary, decide(reg, ctx, in_vary), all_axes
+
+
+# Both rules take `mesh` (and `in_rep`) positional-only: since 0.5.0
+# pallas_call_p has a param named `mesh` too.
+def _check_rule(mesh: Any, /, *in_rep: Any, **params: Any) -> list[set[str]]:
+    _, _, decision, all_axes = _decide_eqn(mesh, in_rep, params)
+    return [set(all_axes - o) for o in decision.outputs]
+
+
+def _rewrite_rule(mesh: Any, in_rep: Any, /, *args: Any, **params: Any):
+    from jax.experimental.shard_map import pbroadcast  # not jax.lax.pbroadcast
+
+    first, in_vary, decision, all_axes = _decide_eqn(mesh, tuple(in_rep), params)
+    args = list(args)
+    if decision.inputs is not None:
+        for i, (now, target) in enumerate(zip(in_vary, decision.inputs)):
+            if target - now:
+                args[first + i] = pbroadcast(args[first + i], tuple(sorted(target - now)))
+    outs = _common.pallas_call_p().bind(*args, **params)
+    return list(outs), [set(all_axes - o) for o in decision.outputs]
+
+
+def install(patches: _common.Patches) -> None:
+    from jax.experimental import shard_map as sm
+
+    prim = _common.pallas_call_p()
+    patches.setitem(sm._check_rules, prim, _check_rule)
+    patches.setitem(sm._rewrite_rules, prim, _rewrite_rule)
+    _common.install_pallas_hooks(patches, _wrap_call)
+
+
+def _wrap_call(
+    reg: Registration | None,
+    kernel: Any,
+    out_shape: Any,
+    make_call: Callable[[Any], Callable[..., Any]] | None,
+    call: Callable[..., Any],
+) -> Callable[..., Any]:
+    if reg is None:
+        return call  # the primitive-level rules report a missing rule themselves
+
+    def traced_call(*args: Any) -> Any:
+        with _common.tracing(reg):
+            return call(*args)
+
+    return traced_call

@@ -1,0 +1,256 @@
+"""The *vma* regime: JAX 0.6.x - 0.9.x (``jax.shard_map(..., check_vma=True)``).
+
+There is no rule registry: each value's type carries the set of manual mesh
+axes it varies over (``ShapedArray.vma``), and a primitive's abstract eval
+*is* its rule. ``pallas_call`` takes its output types from ``out_shape``, which
+must then say ``vma=`` itself. reprules therefore works at the call:
+
+* it asks the kernel's rule for the output sets, writes them into
+  ``out_shape`` and casts inputs up with ``pvary`` (whose transpose is the
+  needed psum);
+* it fixes the interpret-mode lowering for registered kernels (JAX's HLO
+  interpreter starts output buffers invariant, then its while loop refuses the
+  varying body: a carry-type error from 0.6.2 on);
+* it psums a ``custom_vjp`` cotangent over the axes it varies over and its
+  primal does not (JAX <= 0.5 did this itself; from 0.6.2 JAX refuses it).
+
+The *mat* regime (0.10+) is the same design with another type field; see
+``mat.py``, which subclasses :class:`TypeField`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from reprules import _errors
+from reprules._decide import decide
+from reprules._registry import Registration
+from reprules._shim import _common
+from reprules.rules import RuleContext
+
+NAME = "vma"
+VERSIONS = "0.6.x - 0.9.x"
+MECHANISM = "check_vma: ShapedArray.vma on out_shape, pvary casts, interpret lowering fix"
+CHECK_FLAG = "check_vma"
+
+
+class TypeField:
+    """Reads and writes the varying-axes part of a type (0.6 - 0.9: ``vma``)."""
+
+    sds_keyword = "vma"
+
+    def varying(self, aval: Any) -> frozenset[str]:
+        return frozenset(getattr(aval, "vma", frozenset()))
+
+    def annotated(self, sds: Any) -> bool:
+        return getattr(sds, "vma", None) is not None
+
+    def sds_value(self, varying: frozenset[str]) -> Any:
+        return frozenset(varying)
+
+    def strip(self, aval: Any) -> Any:
+        return aval.update(vma=frozenset()) if hasattr(aval, "vma") else aval
+
+
+def detect() -> bool:
+    from jax._src import core
+
+    return "vma" in getattr(core.ShapedArray, "__slots__", ()) or hasattr(core.ShapedArray, "vma")
+
+
+def checking() -> bool:
+    """Whether the innermost ``shard_map`` being traced has checking on."""
+    from jax._src import config
+
+    return bool(config._check_vma.value)
+
+
+def manual_axes() -> tuple[str, ...]:
+    from jax._src import mesh as mesh_lib
+
+    return tuple(mesh_lib.get_abstract_mesh().manual_axes)
+
+
+def cast_up(x: Any, axes: frozenset[str]) -> Any:
+    from jax._src import core
+
+    # core.pvary is what jax.lax.pvary (0.6 - 0.9) and pcast(to="varying") use.
+    return core.pvary(x, tuple(a for a in manual_axes() if a in axes))
+
+
+def psum(x: Any, axes: frozenset[str]) -> Any:
+    return jax.lax.psum(x, tuple(a for a in manual_axes() if a in axes))
+
+
+class Regime:
+    """Everything the vma and mat regimes do, parameterised by the type field."""
+
+    def __init__(self, field: TypeField):
+        self.field = field
+
+    # -- the call ---------------------------------------------------------------
+
+    def wrap_call(
+        self,
+        reg: Registration | None,
+        kernel: Any,
+        out_shape: Any,
+        make_call: Callable[[Any], Callable[..., Any]] | None,
+        call: Callable[..., Any],
+    ) -> Callable[..., Any]:
+        if reg is None:
+            return functools.partial(self._unregistered_call, kernel, call)
+        return functools.partial(self._registered_call, reg, out_shape, make_call, call)
+
+    def _unregistered_call(self, kernel: Any, call: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return call(*args)
+        except ValueError as err:
+            if checking() and "must not be `None`" in str(err):
+                from reprules._registry import kernel_name
+
+                raise _errors.MissingRuleError(
+                    _errors.missing_rule_message(
+                        kernel_name(kernel), manual_axes(), _common.JAX_VERSION
+                    )
+                ) from err
+            raise
+
+    def _registered_call(
+        self,
+        reg: Registration,
+        out_shape: Any,
+        make_call: Callable[[Any], Callable[..., Any]],
+        call: Callable[..., Any],
+        *args: Any,
+    ) -> Any:
+        if not checking():
+            return call(*args)
+        flat_args, in_tree = jax.tree_util.tree_flatten(args)
+        if isinstance(out_shape, list):  # pallas_call canonicalises lists to tuples
+            out_shape = tuple(out_shape)
+        flat_out, out_tree = jax.tree_util.tree_flatten(out_shape)
+        in_vary = tuple(self.field.varying(jax.typeof(a)) for a in flat_args)
+        ctx = RuleContext(
+            kernel_name=reg.name,
+            kernel=reg.kernel(),
+            mesh_axes=manual_axes(),
+            num_inputs=len(flat_args),
+            num_outputs=len(flat_out),
+            jax_version=_common.JAX_VERSION,
+        )
+        decision = decide(reg, ctx, in_vary)
+        if decision.inputs is not None:
+            flat_args = [
+                cast_up(a, target - now) if target - now else a
+                for a, now, target in zip(flat_args, in_vary, decision.inputs)
+            ]
+        new_out = [
+            s if self.field.annotated(s) else self._annotate(s, vary)
+            for s, vary in zip(flat_out, decision.outputs)
+        ]
+        args = jax.tree_util.tree_unflatten(in_tree, flat_args)
+        with _common.tracing(reg):
+            return make_call(jax.tree_util.tree_unflatten(out_tree, new_out))(*args)
+
+    def _annotate(self, sds: Any, varying: frozenset[str]) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(
+            sds.shape,
+            sds.dtype,
+            sharding=getattr(sds, "sharding", None),
+            weak_type=getattr(sds, "weak_type", False),
+            **{self.field.sds_keyword: self.field.sds_value(varying)},
+        )
+
+    # -- primitive-level fixes ---------------------------------------------------
+
+    def _interpret_lowering(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        from jax._src import config
+
+        field = self.field
+
+        def lowering(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
+            # Only plain interpret=True (the HLO interpreter) has the carry-type
+            # bug; InterpretParams objects take other paths that work.
+            if params.get("interpret") is True and _common.registration_of(params) is not None:
+                ctx = ctx.replace(
+                    avals_in=[field.strip(a) for a in ctx.avals_in],
+                    avals_out=[field.strip(a) for a in ctx.avals_out],
+                )
+                with config._check_vma(False):
+                    return original(ctx, *in_nodes, **params)
+            return original(ctx, *in_nodes, **params)
+
+        return lowering
+
+    def _fix_custom_vjp_cotangents(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        from jax._src import linear_util as lu
+
+        field = self.field
+
+        def fix_leaf(ct: Any, primal_aval: Any) -> Any:
+            if ct is None or type(ct).__name__ == "SymbolicZero" or not hasattr(primal_aval, "shape"):
+                return ct
+            try:
+                have = field.varying(jax.typeof(ct))
+            except TypeError:
+                return ct
+            want = field.varying(primal_aval)
+            if have - want:  # e.g. a replicated weight's gradient from sharded activations
+                ct = psum(ct, have - want)
+            if want - have:  # a replicated cotangent for a varying input: free cast
+                ct = cast_up(ct, want - have)
+            return ct
+
+        def fix(py_cts_in: Any, in_tree: Any, in_avals: Sequence[Any]) -> Any:
+            try:
+                cts = tuple(py_cts_in) if isinstance(py_cts_in, list) else py_cts_in
+                primal = jax.tree_util.tree_unflatten(in_tree, list(in_avals))
+                return jax.tree_util.tree_map(
+                    lambda ct, a: None if ct is None else fix_leaf(ct, a),
+                    cts,
+                    primal,
+                    is_leaf=lambda x: x is None,
+                )
+            except (ValueError, TypeError):
+                return py_cts_in  # a malformed bwd output: JAX's own check reports it
+
+        def gen(f: Callable[..., Any], in_tree: Any, in_avals: Any, with_logs: bool, *args: Any):
+            out = f(*args)
+            if with_logs and isinstance(out, (tuple, list)) and len(out) == 2:
+                return fix(out[0], in_tree, in_avals), out[1]
+            return fix(out, in_tree, in_avals)
+
+        def flatten_bwd(bwd: Any, in_tree: Any, in_avals: Any, *rest: Any, **kwargs: Any) -> Any:
+            # 0.12 added (primal_fun, symbolic_zeros, with_logs) after out_trees.
+            with_logs = bool(rest[3]) if len(rest) >= 4 else bool(kwargs.get("with_logs", False))
+            fixed = lu.transformation2(gen)(bwd, in_tree, tuple(in_avals), with_logs)
+            return original(fixed, in_tree, in_avals, *rest, **kwargs)
+
+        return flatten_bwd
+
+    def install(self, patches: _common.Patches) -> None:
+        from jax._src import custom_derivatives
+        from jax._src.interpreters import mlir
+
+        prim = _common.pallas_call_p()
+        entry = mlir._lowerings[prim]
+        original_rule = getattr(entry, "rule", entry)  # LoweringRuleEntry since 0.7
+        new_rule = self._interpret_lowering(original_rule)
+        new_entry = dataclasses.replace(entry, rule=new_rule) if hasattr(entry, "rule") else new_rule
+        patches.setitem(mlir._lowerings, prim, new_entry)
+        patches.setattr(
+            custom_derivatives,
+            "_flatten_bwd",
+            self._fix_custom_vjp_cotangents(custom_derivatives._flatten_bwd),
+        )
+        _common.install_pallas_hooks(patches, self.wrap_call)
+
+
+_regime = Regime(TypeField())
+install = _regime.install
