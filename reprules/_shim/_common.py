@@ -105,10 +105,14 @@ def pallas_call_p() -> Any:
 
 def kernel_name_from_params(params: dict[str, Any]) -> str:
     """The kernel name JAX stored on a ``pallas_call_p`` equation."""
-    info = params.get("name_and_src_info")  # 0.4.31+
+    info = params.get("name_and_src_info")  # 0.4.31 - 0.4.38
     if info is not None:
         return getattr(info, "name", None) or str(info)
-    return str(params.get("name", "pallas_call"))
+    debug = getattr(params.get("jaxpr"), "debug_info", None)  # 0.5+: on the kernel jaxpr
+    src = getattr(debug, "func_src_info", None) or getattr(debug, "func_name", None)
+    if src:
+        return str(src).split(" ")[0]
+    return str(params.get("name") or "pallas_call")  # 0.4.28
 
 
 def install_pallas_hooks(patches: Patches, wrap_call: Callable[..., Any]) -> None:

@@ -1,0 +1,39 @@
+"""Test set-up: 8 fake CPU devices before any JAX backend starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import reprules  # noqa: E402
+
+
+def pytest_report_header(config):
+    support = reprules.jax_support()
+    return (
+        f"reprules {reprules.__version__}; JAX {support['jax']} ({support['regime']} regime: "
+        f"{support['mechanism']}); {jax.device_count()} CPU devices"
+    )
+
+
+def pytest_sessionstart(session):
+    if jax.device_count() < 8:
+        raise pytest.UsageError(
+            f"reprules' tests need 8 fake CPU devices, found {jax.device_count()}: a JAX backend "
+            "started before tests/conftest.py could set XLA_FLAGS."
+        )
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry():
+    """Every test starts and ends with no rules and no JAX patches."""
+    yield
+    for reg in list(reprules.registered().values()):
+        kernel = reg.kernel()
+        if kernel is not None:
+            reprules.unregister(kernel)

@@ -1,0 +1,100 @@
+"""JAX issue #21855: a Pallas copy kernel under custom_vjp inside shard_map.
+
+With checking off, the backward pass gains a defensive all-reduce over
+``model`` (``x`` is already replicated over it). With a rule and checking on:
+no psum in the grad jaxpr, no all-reduce in StableHLO nor in compiled HLO, and
+gradients equal to the check-off run and to the unsharded reference.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+import reprules
+from helpers import count_all_reduce, make_mesh, max_err, put, randn, shard_map
+
+
+def copy_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+
+def copy(x):
+    return pl.pallas_call(
+        copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True
+    )(x)
+
+
+@jax.custom_vjp
+def kernel_copy(x):
+    return copy(x)
+
+
+kernel_copy.defvjp(lambda x: (copy(x), None), lambda _, g: (copy(g),))
+
+
+def make_loss(mesh, weights, check):
+    f = shard_map(kernel_copy, mesh, P("data", None), P("data", None), check=check)
+    return lambda x: (f(x) * weights).sum()  # data-dependent cotangent
+
+
+@pytest.fixture
+def setup():
+    mesh = make_mesh()
+    x = put(randn(0, (8, 128)), mesh, P("data", None))
+    weights = randn(1, (8, 128))
+    return mesh, x, weights
+
+
+def test_check_off_has_the_defensive_all_reduce(setup):
+    mesh, x, w = setup
+    grad = jax.grad(make_loss(mesh, w, check=False))
+    assert count_all_reduce(grad, x) == (1, 1, 1)
+    assert max_err(grad(x), w) < 1e-6  # 0.4.x: mb_div/psum leave ~1e-38
+
+
+def test_with_rule_no_all_reduce_and_exact_gradients(setup):
+    mesh, x, w = setup
+    reprules.replication_rule()(copy_kernel)
+    grad_on = jax.grad(make_loss(mesh, w, check=True))
+    grad_off = jax.grad(make_loss(mesh, w, check=False))
+    assert count_all_reduce(grad_on, x) == (0, 0, 0)
+    reference = jax.grad(lambda x: (x * w).sum())(jnp.asarray(x))  # unsharded
+    assert max_err(jax.jit(grad_on)(x), reference) < 1e-6
+    assert max_err(jax.jit(grad_on)(x), jax.jit(grad_off)(x)) < 1e-6
+
+
+def test_forward_output_varies_over_data_only(setup):
+    mesh, x, w = setup
+    reprules.replication_rule()(copy_kernel)
+    out = jax.jit(shard_map(kernel_copy, mesh, P("data", None), P("data", None)))(x)
+    assert max_err(out, x) == 0.0
+    # The output is typed replicated over `model`, so out_specs may omit it; it is
+    # typed varying over `data`, so out_specs=P() is rejected by JAX itself.
+    with pytest.raises(ValueError, match="out_specs"):
+        jax.jit(shard_map(kernel_copy, mesh, P("data", None), P(None, None)))(x)
+
+
+def test_without_rule_checking_fails_with_a_teaching_error(setup):
+    mesh, x, w = setup
+
+    def other_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    reprules.replication_rule()(other_kernel)  # reprules active, copy_kernel not registered
+    with pytest.raises(reprules.MissingRuleError) as info:
+        jax.grad(make_loss(mesh, w, check=True))(x)
+    message = str(info.value)
+    assert "'copy_kernel'" in message
+    assert "'data', 'model'" in message
+    assert f"JAX {jax.__version__}" in message
+    assert "@reprules.replication_rule()" in message
+
+
+def test_without_any_registration_jax_error_is_untouched(setup):
+    mesh, x, w = setup
+    assert not reprules.registered()
+    with pytest.raises((NotImplementedError, ValueError)) as info:
+        jax.grad(make_loss(mesh, w, check=True))(x)
+    assert not isinstance(info.value, reprules.ReprulesError)
