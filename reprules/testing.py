@@ -1,0 +1,262 @@
+"""See the collectives of a program, and assert on them (no pytest needed).
+
+``collectives(fn, *args)`` jits, lowers and compiles ``fn`` and reports every
+collective at three levels: the jaxpr (``shard_map``, ``custom_vjp``, ``scan``,
+``cond``, ``pjit`` bodies included), the lowered StableHLO and the compiled
+HLO. Checking all three matters: from JAX 0.10.2, XLA:CPU folds an all-reduce
+of a constant cotangent away, while the jaxpr and StableHLO still have it.
+
+Example:
+    ```python
+    from reprules import testing
+
+    report = testing.collectives(jax.grad(loss), x)
+    print(report)                                   # a table
+    assert report.count("all-reduce", axes="data") == 1
+    testing.assert_no_all_reduce(jax.grad(loss_fsdp_free), x)
+    ```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
+
+from reprules._collectives import LEVELS as LEVELS
+from reprules._collectives import Collective as Collective
+from reprules._collectives import Kernel as Kernel
+from reprules._collectives import Report as Report
+from reprules._errors import ReprulesError
+from reprules._hlo import KINDS as KINDS
+
+__all__ = [
+    "KINDS",
+    "LEVELS",
+    "Collective",
+    "CollectivesAssertionError",
+    "Kernel",
+    "Report",
+    "assert_collectives",
+    "assert_no_all_reduce",
+    "collectives",
+]
+
+ExpectKey = Union[str, tuple[str, Union[str, tuple[str, ...]]]]
+ExpectValue = Union[int, Mapping[str, int]]
+
+
+class CollectivesAssertionError(ReprulesError, AssertionError):
+    """A program's collectives differ from what a test expected.
+
+    Attributes:
+      report: The full :class:`Report`.
+    """
+
+    def __init__(self, message: str, report: Report):
+        super().__init__(message)
+        self.report = report
+
+
+def collectives(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: Any) -> Report:
+    """Every collective of ``jax.jit(fn)(*args, **kwargs)``, at three levels.
+
+    Args:
+      fn: The function (a training step, ``jax.grad(loss)``...). It is traced,
+        lowered and compiled, not run.
+      *args: Example arguments (arrays with their shardings, or
+        ``jax.ShapeDtypeStruct``).
+      mesh: The mesh used to name replica groups; by default the mesh of the
+        first ``shard_map`` in ``fn``, else of the first sharded argument.
+      **kwargs: Passed to ``fn`` (closed over, not traced).
+
+    Returns:
+      A :class:`Report`: ``print`` it for a table, ``.to_json()`` for machines,
+      ``.count(kind, axes=..., level=..., defensive=...)`` and ``.bytes(...)``
+      to assert on.
+    """
+    from reprules import _collectives
+
+    return _collectives.collectives(fn, *args, mesh=mesh, **kwargs)
+
+
+def assert_no_all_reduce(fn: Callable[..., Any], *args: Any, levels: Iterable[str] = LEVELS,
+                         axes: str | Iterable[str] | None = None, **kwargs: Any) -> Report:
+    """Fails if ``fn`` has an all-reduce at any of ``levels``.
+
+    Args:
+      fn: The function to check (traced, lowered and compiled, not run).
+      *args: Example arguments.
+      levels: Levels to look at; all three by default, so an all-reduce that
+        XLA folded away on CPU is still caught in the jaxpr and StableHLO.
+      axes: Only all-reduces over exactly these mesh axes count.
+      **kwargs: Passed to ``fn``.
+
+    Returns:
+      The :class:`Report`, when the check passes.
+
+    Raises:
+      CollectivesAssertionError: with each offending all-reduce, its
+        provenance and, when an opaque kernel without a rule is why checking
+        is off, the kernel and the decorator to add.
+    """
+    levels = _check_levels(levels)
+    report = collectives(fn, *args, **kwargs)
+    bad = [c for c in report.select("all-reduce", axes=axes) if set(c.levels) & set(levels)]
+    if bad:
+        over = f" over {_axes_text(axes)}" if axes is not None else ""
+        raise CollectivesAssertionError(
+            f"{len(bad)} all-reduce{'s' if len(bad) > 1 else ''}{over} found in {report.function} "
+            f"(levels checked: {', '.join(levels)}; JAX {report.jax_version}):\n"
+            + _offending(bad) + _why_and_fix(bad, report), report)
+    return report
+
+
+def assert_collectives(fn: Callable[..., Any], *args: Any, expect: Mapping[ExpectKey, ExpectValue],
+                       level: str | None = None, exact: bool = True, **kwargs: Any) -> Report:
+    """Fails unless ``fn``'s collectives match ``expect``.
+
+    Args:
+      fn: The function to check (traced, lowered and compiled, not run).
+      *args: Example arguments.
+      expect: Expected figures, keyed by kind (``"all-reduce"``), by
+        ``(kind, axes)`` (``("all-reduce", "data")``, ``("all-gather",
+        ("data", "model"))``) or ``"defensive"``. A value is a count, or a
+        mapping with ``"count"`` and/or ``"bytes"`` (per-device bytes per
+        step).
+      level: Count only collectives present at this level (``"jaxpr"``,
+        ``"stablehlo"``, ``"hlo"``); by default, present at any level.
+      exact: Kinds not named in ``expect`` must be absent.
+      **kwargs: Passed to ``fn``.
+
+    Returns:
+      The :class:`Report`, when the check passes.
+
+    Raises:
+      CollectivesAssertionError: listing each expectation that failed and
+        the collectives it counted.
+      ValueError: ``expect`` names an unknown kind or has a malformed value.
+
+    Example:
+        ```python
+        assert_collectives(jax.grad(loss), w, x,
+                           expect={("all-reduce", "data"): {"count": 1, "bytes": 32768},
+                                   "defensive": 0})
+        ```
+    """
+    if level is not None:
+        _check_levels((level,))
+    checks = [_parse_expectation(k, v) for k, v in expect.items()]
+    report = collectives(fn, *args, **kwargs)
+    failures = []
+    for label, kind, axes, defensive, want in checks:
+        found = report.select(kind, axes=axes, level=level, defensive=defensive)
+        got = {"count": len(found), "bytes": sum(c.bytes for c in found)}
+        for what, value in want.items():
+            if got[what] != value:
+                failures.append((f"{label}: expected {what} {value}, got {got[what]}", found))
+    if exact:
+        named = {kind for _, kind, _, _, _ in checks if kind is not None}
+        for kind in KINDS:
+            if kind not in named and report.count(kind, level=level):
+                found = report.select(kind, level=level)
+                failures.append((f"{kind}: expected none (not named in expect), got {len(found)}", found))
+    if failures:
+        lines = []
+        for text, found in failures:
+            lines.append(f"- {text}")
+            lines.extend("    " + c.describe() for c in found)
+        shown = [c for _, found in failures for c in found]
+        raise CollectivesAssertionError(
+            f"The collectives of {report.function} differ from the expectation "
+            f"(JAX {report.jax_version}, counted at {level or 'any level'}):\n"
+            + "\n".join(lines) + "\n" + _why_and_fix(shown, report) + "\nFull report:\n" + report.table(),
+            report)
+    return report
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _check_levels(levels: Iterable[str]) -> tuple[str, ...]:
+    levels = tuple(levels)
+    unknown = [lv for lv in levels if lv not in LEVELS]
+    if unknown or not levels:
+        raise ValueError(
+            f"Unknown level(s) {unknown or levels!r}.\n"
+            f"Fix: use levels among {LEVELS} (jaxpr, lowered StableHLO, compiled HLO).")
+    return levels
+
+
+def _axes_text(axes: str | Iterable[str]) -> str:
+    return repr(axes) if isinstance(axes, str) else repr(tuple(axes))
+
+
+def _parse_expectation(key: Any, value: Any) -> tuple[str, str | None, Any, bool | None, dict[str, int]]:
+    kind: str | None
+    axes: Any = None
+    defensive = None
+    if key == "defensive":
+        kind, defensive = None, True
+    elif isinstance(key, str):
+        kind = key
+    elif isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
+        kind, axes = key
+    else:
+        raise ValueError(
+            f"expect key {key!r} is not understood.\n"
+            f"Fix: use a kind ({', '.join(KINDS)}), a (kind, axes) pair such as "
+            "('all-reduce', 'data'), or 'defensive'.")
+    if kind is not None and kind not in KINDS:
+        raise ValueError(
+            f"expect key {key!r} names the unknown collective kind {kind!r}.\n"
+            f"Fix: use one of {', '.join(KINDS)} (HLO spelling, with a hyphen).")
+    if isinstance(value, bool) or not isinstance(value, (int, Mapping)):
+        raise ValueError(
+            f"expect[{key!r}] is {value!r}.\n"
+            "Fix: give a count (an int) or a mapping with 'count' and/or 'bytes'.")
+    want = {"count": value} if isinstance(value, int) else dict(value)
+    if not want or set(want) - {"count", "bytes"}:
+        raise ValueError(
+            f"expect[{key!r}] is {value!r}.\n"
+            "Fix: a mapping value may only have the keys 'count' and 'bytes'.")
+    label = "defensive" if defensive else (kind if axes is None else f"{kind} over {_axes_text(axes)}")
+    return label, kind, axes, defensive, want
+
+
+def _offending(found: Iterable[Collective]) -> str:
+    out = []
+    for c in found:
+        out.append(f"  - {c.describe()}")
+        for level, line in c.lines:
+            out.append(f"      {level}: {line[:220]}")
+    return "\n".join(out) + "\n"
+
+
+def _why_and_fix(found: Iterable[Collective], report: Report) -> str:
+    found = list(found)
+    defensive = [c for c in found if c.defensive]
+    kernels = {k.name: k for k in report.kernels_without_rule}
+    culprits = [kernels[n] for c in defensive for n in c.kernels_without_rule if n in kernels]
+    culprits = list({k.name: k for k in culprits}.values())
+    if culprits:
+        lines = [
+            "Why: these are defensive all-reduces: shard_map runs with checking off, so its "
+            "transpose sums cotangents over axes where they are replicated. Checking is off "
+            "because of opaque kernels without a replication rule:"]
+        for k in culprits:
+            lines.append(f"  - kernel {k.name!r} ({k.primitive}, defined at {k.source or '?'})")
+        lines.append("Fix: give each a rule and turn checking on (check_vma=True; check_rep=True on "
+                     "JAX <= 0.5):")
+        for k in culprits:
+            lines.append(f"    @reprules.replication_rule()      # above `def {k.name}(...)`, or for a kernel "
+                         f"you cannot edit: reprules.replication_rule()({k.name})")
+        return "\n".join(lines) + "\n"
+    if defensive:
+        return ("Why: these are defensive all-reduces: shard_map's transpose sums cotangents over "
+                "axes where they are replicated, because checking is off.\n"
+                "Fix: run shard_map with checking on (check_vma=True; check_rep=True on JAX <= 0.5); "
+                "give any opaque kernel a rule with @reprules.replication_rule().\n")
+    return ("Why: the program needs these collectives (their operands vary over the axes they run "
+            "over), or they were written explicitly.\n"
+            "Fix: if they are unexpected, check the shardings (in_specs/out_specs) and the "
+            "source lines above.\n")
