@@ -145,7 +145,7 @@ class Collective:
     @property
     def folded(self) -> bool:
         """In the jaxpr or StableHLO, but folded away by XLA in compiled HLO."""
-        return "hlo" not in self.levels and bool(self.levels)
+        return "stablehlo" in self.levels and "hlo" not in self.levels
 
     def axes_text(self) -> str:
         if self.axes is None:
@@ -160,7 +160,11 @@ class Collective:
         where = self.source or "?"
         levels = "+".join(self.levels)
         extra = f" (operand replicated over {','.join(self.replicated_axes)})" if self.defensive else ""
-        folded = "; folded by XLA in compiled HLO" if self.folded else ""
+        folded = ""
+        if self.levels == ("jaxpr",):
+            folded = "; not lowered: dead code or a deduplicated call"
+        elif self.folded:
+            folded = "; folded by XLA in compiled HLO"
         name = f" {self.primitive}" if self.primitive else ""
         return (
             f"{self.kind} over {self.axes_text()}: {self.shape_text()}, {self.bytes} B, "
@@ -335,6 +339,11 @@ class _Ctx:
 
 
 _EMPTY: frozenset[str] = frozenset()
+# Outside shard_map, a value's per-device varying set is unknown ("*") unless it
+# is a shard_map output: then it is what the body analysis found. This is how
+# residuals passed from a forward shard_map to its transpose keep their real
+# set (JAX gives them specs over every axis).
+_UNKNOWN: frozenset[str] = frozenset({"*"})
 
 
 def _is_jaxpr(obj: Any) -> bool:
@@ -499,7 +508,7 @@ def walk_jaxpr(closed_jaxpr: Any) -> _Walk:
     """Finds every collective and opaque kernel in a (closed) jaxpr, recursively."""
     state = _Walk()
     jaxpr = _as_jaxpr(closed_jaxpr)
-    _walk(jaxpr, [_EMPTY] * len(jaxpr.invars), _Ctx(), state)
+    _walk(jaxpr, [_UNKNOWN] * len(jaxpr.invars), _Ctx(), state)
     return state
 
 
@@ -508,11 +517,13 @@ def _walk(jaxpr: Any, in_varying: Sequence[frozenset[str]], ctx: _Ctx, state: _W
     for v, s in zip(jaxpr.invars, in_varying):
         env[v] = s
 
+    default = _EMPTY if ctx.shard_map_id is not None else _UNKNOWN
+
     def read(v: Any) -> frozenset[str]:
         try:
-            return env.get(v, _EMPTY)
+            return env.get(v, default)
         except TypeError:  # unhashable literal
-            return _EMPTY
+            return default
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
@@ -522,7 +533,7 @@ def _walk(jaxpr: Any, in_varying: Sequence[frozenset[str]], ctx: _Ctx, state: _W
         path = "/".join(p for p in (ctx.path, ns) if p)
         outs: list[frozenset[str]] | None = None
         if name == "shard_map":
-            outs = _walk_shard_map(eqn, path, ctx, state)
+            outs = _walk_shard_map(eqn, ins, path, ctx, state)
         elif name in _KIND_OF_PRIMITIVE:
             axes = _axes_param(eqn.params)
             _record_collective(eqn, name, axes, ins, union, path, ctx, state)
@@ -545,7 +556,7 @@ def _walk(jaxpr: Any, in_varying: Sequence[frozenset[str]], ctx: _Ctx, state: _W
                 outs = _walk_subs(eqn, name, subs, ins, union, _Ctx(ctx.manual, f"{path}/{name}" if path else name,
                                                                     ctx.checked, ctx.shard_map_id), state)
         if outs is None or len(outs) != len(eqn.outvars):
-            outs = [union] * len(eqn.outvars)
+            outs = [union if ctx.shard_map_id is not None else _UNKNOWN] * len(eqn.outvars)
         for v, s in zip(eqn.outvars, outs):
             env[v] = s
     return [read(v) for v in jaxpr.outvars]
@@ -607,7 +618,8 @@ def _fit(sets: Sequence[frozenset[str]], n: int, union: frozenset[str]) -> list[
     return [union] * n
 
 
-def _walk_shard_map(eqn: Any, path: str, ctx: _Ctx, state: _Walk) -> list[frozenset[str]]:
+def _walk_shard_map(eqn: Any, ins: list[frozenset[str]], path: str, ctx: _Ctx,
+                    state: _Walk) -> list[frozenset[str]]:
     p = eqn.params
     mesh = p.get("mesh")
     shape = dict(getattr(mesh, "shape", {}) or {})
@@ -621,15 +633,19 @@ def _walk_shard_map(eqn: Any, path: str, ctx: _Ctx, state: _Walk) -> list[frozen
     else:
         manual = frozenset(names) - frozenset(p.get("auto", ()) or ())
     specs = p.get("in_specs", p.get("in_names", ()))
-    in_varying = [(_spec_axes(s) & manual) for s in specs]
+    in_varying = [
+        _spec_axes(s) & manual if "*" in outer else _spec_axes(s) & manual & outer
+        for s, outer in zip(specs, list(ins) + [_UNKNOWN] * (len(specs) - len(ins)))
+    ]
     checked = p.get("check_vma", p.get("check_rep"))
     state.shard_maps += 1
     body = _as_jaxpr(p.get("jaxpr"))
     inner = _Ctx(manual=manual, path=f"{path}/shard_map" if path else "shard_map",
                  checked=None if checked is None else bool(checked), shard_map_id=state.shard_maps)
-    if body is not None:
-        _walk(body, _fit(in_varying, len(body.invars), frozenset(manual)), inner, state)
-    return [_EMPTY] * len(eqn.outvars)
+    if body is None:
+        return [_UNKNOWN] * len(eqn.outvars)
+    outs = _walk(body, _fit(in_varying, len(body.invars), frozenset(manual)), inner, state)
+    return outs if len(outs) == len(eqn.outvars) else [_UNKNOWN] * len(eqn.outvars)
 
 
 def _record_collective(eqn: Any, name: str, axes: tuple[str, ...], ins: list[frozenset[str]],
@@ -723,8 +739,24 @@ def build_report(function: str, jax_version: str, walk: _Walk, stablehlo: Sequen
     for level, found in (("stablehlo", stablehlo), ("hlo", hlo)):
         for tc in found:
             axes = _text_axes(tc, mesh)
-            entry = _best_match(entries, tc, axes, level)
             line = (level, tc.line)
+            if len(tc.shapes) > 1 and level == "hlo":
+                # XLA's combiners merge collectives into one tuple instruction.
+                rest = list(tc.shapes)
+                for entry in _tuple_matches(entries, tc, axes, level):
+                    rest.remove(tuple(entry["shapes"])[0])
+                    entry["levels"].append(level)
+                    entry["lines"].append(line)
+                    entry["is_async"] = entry["is_async"] or tc.is_async
+                if len(rest) == len(tc.shapes):
+                    entry = None
+                elif not rest:
+                    continue
+                else:
+                    tc = dataclasses.replace(tc, shapes=tuple(rest))
+                    entry = None
+            else:
+                entry = _best_match(entries, tc, axes, level)
             if entry is None:
                 entries.append(dict(
                     kind=tc.kind, levels=[level], dtype=tc.dtype, shapes=tc.shapes, bytes=_text_bytes(tc),
@@ -754,6 +786,19 @@ def build_report(function: str, jax_version: str, walk: _Walk, stablehlo: Sequen
             merged[key] = k
     return Report(function=function, jax_version=jax_version, mesh=tuple(mesh.items()),
                   collectives=collectives, kernels=tuple(merged.values()))
+
+
+def _tuple_matches(entries: list[dict[str, Any]], tc: _hlo.TextCollective, axes: tuple[str, ...] | None,
+                   level: str) -> list[dict[str, Any]]:
+    rest = list(tc.shapes)
+    out = []
+    for e in entries:
+        if (level not in e["levels"] and e["kind"] == tc.kind and len(e["shapes"]) == 1
+                and tuple(e["shapes"])[0] in rest
+                and (axes is None or e["axes"] is None or set(e["axes"]) == set(axes))):
+            rest.remove(tuple(e["shapes"])[0])
+            out.append(e)
+    return out
 
 
 def _best_match(entries: list[dict[str, Any]], tc: _hlo.TextCollective, axes: tuple[str, ...] | None,

@@ -41,12 +41,11 @@ def regime() -> ModuleType:
         return _regime
 
 
-def _detect() -> ModuleType:
+def _detect(version: str = JAX_VERSION) -> ModuleType:
     low, high = SUPPORTED
-    version = _common.version_tuple()
-    if not low <= version < high:
+    if not low <= _common.version_tuple(version) < high:
         raise UnsupportedJaxError(
-            f"reprules supports JAX {SUPPORTED_TEXT}, but JAX {JAX_VERSION} is installed.\n"
+            f"reprules supports JAX {SUPPORTED_TEXT}, but JAX {version} is installed.\n"
             "Why: reprules works through JAX internals that move between releases, and "
             "this release has not been tested.\n"
             f"Fix: install a supported JAX (pip install 'jax{SUPPORTED_TEXT}' with the "

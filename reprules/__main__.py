@@ -1,0 +1,8 @@
+"""``python -m reprules audit``."""
+
+import sys
+
+from reprules._cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
