@@ -1,7 +1,8 @@
-"""Test matrix: one virtual environment per supported JAX version.
+"""Test matrix and main job, each in its own virtual environment.
 
-    python -m pip install --quiet nox uv && python -m nox            # whole matrix
-    python -m nox -s "tests(jax='0.12.0.1')"                          # one version
+    python -m pip install --quiet nox uv && python -m nox            # tests, whole JAX matrix
+    python -m nox -s "tests(jax='0.12.0.1')"                          # tests, one JAX version
+    python -m pip install --quiet nox uv && python -m nox -s main    # the main job
 """
 
 import nox
@@ -9,6 +10,7 @@ import nox
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["tests"]
 
 # At least one version per regime: rep (<=0.5), vma (0.6-0.9), mat (>=0.10).
 JAX_MATRIX = ["0.4.28", "0.5.3", "0.6.2", "0.8.3", "0.10.2", "0.12.0.1"]
@@ -20,3 +22,10 @@ def tests(session: nox.Session, jax: str) -> None:
     """Runs the test suite against one JAX version."""
     session.install(f"jax=={jax}", f"jaxlib=={jax}", "-e", ".[test]")
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session(python="3.12")
+def main(session: nox.Session) -> None:
+    """The main job, on the newest supported JAX: the #21855 reproducer, before and after."""
+    session.install(f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", "-e", ".")
+    session.run("python", "examples/01_issue21855.py", *session.posargs)

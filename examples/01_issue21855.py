@@ -1,0 +1,84 @@
+"""JAX issue #21855, before and after reprules.
+
+A Pallas copy kernel under ``custom_vjp`` inside ``shard_map`` on a (4, 2) mesh
+``("data", "model")``, input sharded over ``data``. With checking off, the
+backward pass all-reduces over ``model`` although ``x`` is replicated over it.
+One decorator on the kernel lets checking stay on, and the all-reduce goes.
+
+Run (8 fake CPU devices are set up by the script itself):
+
+    python examples/01_issue21855.py
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import reprules  # noqa: E402
+
+
+def copy_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+
+def copy(x):
+    return pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+
+@jax.custom_vjp
+def kernel_copy(x):
+    return copy(x)
+
+
+kernel_copy.defvjp(lambda x: (copy(x), None), lambda _, g: (copy(g),))
+
+
+def shard_map(f, mesh, in_specs, out_specs, check):
+    if hasattr(jax, "shard_map"):  # JAX >= 0.6
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+    from jax.experimental.shard_map import shard_map as old_shard_map  # JAX <= 0.5
+
+    return old_shard_map(f, mesh, in_specs, out_specs, check_rep=check)
+
+
+def all_reduces(grad_fn, x):
+    """psums in the jaxpr, all_reduce ops in StableHLO, all-reduces in compiled HLO."""
+    jaxpr = len(re.findall(r"\bpsum\w*\[", str(jax.make_jaxpr(grad_fn)(x))))
+    lowered = jax.jit(grad_fn).lower(x)
+    stablehlo = lowered.as_text().count("stablehlo.all_reduce")
+    compiled = len(re.findall(r"\ball-reduce(?:-start)?\(", lowered.compile().as_text()))
+    return jaxpr, stablehlo, compiled
+
+
+def main():
+    devices = np.array(jax.devices()[:8]).reshape(4, 2)
+    mesh = jax.sharding.Mesh(devices, ("data", "model"))
+    rng = np.random.RandomState(0)
+    x = jax.device_put(rng.randn(8, 128).astype(np.float32), NamedSharding(mesh, P("data", None)))
+    weights = rng.randn(8, 128).astype(np.float32)  # data-dependent cotangent: nothing to fold
+    reference = weights  # d/dx sum(x * weights), unsharded
+
+    support = reprules.jax_support()
+    print(f"JAX {support['jax']} ({support['regime']} regime: {support['mechanism']})")
+    print("mesh (4, 2) ('data', 'model'); x: P('data', None); loss: sum(copy(x) * w)\n")
+    print(f"{'':28}{'psum (jaxpr)':>14}{'all_reduce (StableHLO)':>24}{'all-reduce (compiled)':>23}{'max |grad - ref|':>18}")
+    for label, check in (("checking off", False), ("reprules, checking on", True)):
+        if check:
+            reprules.replication_rule()(copy_kernel)  # the whole fix
+        sharded = shard_map(kernel_copy, mesh, P("data", None), P("data", None), check=check)
+        grad_fn = jax.grad(lambda x: (sharded(x) * weights).sum())
+        counts = all_reduces(grad_fn, x)
+        error = float(np.max(np.abs(np.asarray(jax.jit(grad_fn)(x)) - reference)))
+        print(f"{label:28}{counts[0]:>14}{counts[1]:>24}{counts[2]:>23}{error:>18.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The pytest plugin, through ``pytester``."""
+
+import importlib.metadata
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+# The entry point may not be installed in a stale editable install; load the
+# module explicitly instead, under a name the entry point cannot clash with.
+PLUGIN = ("-p", "no:reprules", "-p", "reprules._pytest_plugin")
+
+MODEL = '''
+import jax, jax.numpy as jnp, numpy as np, pytest
+from jax.experimental import pallas as pl
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+def copy_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+def _copy(x):
+    return pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+@jax.custom_vjp
+def kernel_copy(x):
+    return _copy(x)
+
+kernel_copy.defvjp(lambda x: (_copy(x), None), lambda _, g: (_copy(g),))
+
+def shard_map(f, mesh, i, o, check):
+    if hasattr(jax, "shard_map") and not jax.__version__.startswith(("0.4", "0.5")):
+        return jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, check_vma=check)
+    from jax.experimental.shard_map import shard_map as sm
+    return sm(f, mesh, i, o, check_rep=check)
+
+def model(check):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    x = jax.device_put(jnp.ones((8, 128)), NamedSharding(mesh, P("data", None)))
+    w = jnp.asarray(np.random.RandomState(0).randn(8, 128), jnp.float32)
+    f = shard_map(kernel_copy, mesh, P("data", None), P("data", None), check)
+    return jax.grad(lambda x: (f(x) * w).sum()), x
+'''
+
+
+def test_entry_point_is_declared():
+    text = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '[project.entry-points.pytest11]\nreprules = "reprules._pytest_plugin"' in text
+    eps = [e for e in importlib.metadata.entry_points(group="pytest11") if e.name == "reprules"]
+    if not eps:
+        pytest.skip("reprules is installed without its pytest11 entry point (reinstall it)")
+    assert eps[0].value == "reprules._pytest_plugin"
+
+
+def test_loading_the_plugin_does_not_import_jax():
+    code = "import sys, reprules._pytest_plugin; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_fixtures_in_process(pytester):
+    pytester.makepyfile(model=MODEL)
+    pytester.makepyfile(test_user='''
+import reprules
+from model import copy_kernel, model
+
+def test_off_fails(no_all_reduce):
+    no_all_reduce(*model(check=False))
+
+def test_on_passes(no_all_reduce, collectives):
+    reprules.replication_rule()(copy_kernel)
+    try:
+        report = no_all_reduce(*model(check=True))
+        assert report.collectives == ()
+        assert collectives(*model(check=True)).kernels[0].has_rule
+    finally:
+        reprules.unregister(copy_kernel)
+''')
+    result = pytester.runpytest_inprocess(*PLUGIN, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*1 all-reduce found in <lambda>*",
+        "*all-reduce over model*defensive*",
+        "*kernel 'copy_kernel'*",
+        "*@reprules.replication_rule()*",
+    ])
+    result.stdout.fnmatch_lines(["reprules *; JAX *; * devices"])
+
+
+def test_cpu_devices_option_and_marker_in_a_fresh_process(pytester):
+    pytester.makepyfile(test_devices='''
+import jax, pytest
+
+@pytest.mark.reprules_devices(4)
+def test_four():
+    assert jax.device_count() == 4
+
+@pytest.mark.reprules_devices(16)
+def test_sixteen():
+    pass
+''')
+    result = pytester.runpytest_subprocess(*PLUGIN, "--reprules-cpu-devices", "4", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines([
+        "reprules *; JAX *; 4 cpu devices",
+        "*needs 16 JAX devices, found 4; run pytest with --reprules-cpu-devices 16*",
+    ])
+
+
+def test_cpu_devices_option_fails_loudly_when_a_backend_already_started(pytester):
+    # A plugin that starts JAX before reprules can set XLA_FLAGS.
+    pytester.makepyfile(startjax="import jax\njax.devices()\n")
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "startjax", *PLUGIN, "--reprules-cpu-devices", "3")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--reprules-cpu-devices 3: a JAX backend already started with * devices*"])
+
+
+def test_bad_marker_argument_is_a_usage_error(pytester):
+    pytester.makepyfile(test_bad='''
+import pytest
+
+@pytest.mark.reprules_devices("eight")
+def test_bad():
+    pass
+''')
+    result = pytester.runpytest_inprocess(*PLUGIN, "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines(["*reprules_devices takes one positive int*"])
+    assert result.ret != 0
