@@ -28,6 +28,7 @@ from reprules._errors import RegistrationError as RegistrationError
 from reprules._errors import ReprulesError as ReprulesError
 from reprules._errors import RuleError as RuleError
 from reprules._errors import UnsupportedJaxError as UnsupportedJaxError
+from reprules._registry import FfiTarget as FfiTarget
 from reprules._registry import Registration as Registration
 
 try:
@@ -36,12 +37,14 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "FfiTarget",
     "MissingRuleError",
     "Registration",
     "RegistrationError",
     "ReprulesError",
     "RuleError",
     "UnsupportedJaxError",
+    "ffi_target",
     "jax_support",
     "registered",
     "replication_rule",
@@ -90,11 +93,14 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
     chosen: rules.RuleLike = rules.same() if rule is None else rule
 
     def register(kernel: K) -> K:
+        _shim.regime()  # an unsupported JAX raises before anything is registered
         _registry.register(kernel, chosen, override=override)
         try:
-            _shim.activate()
+            _shim.attach(kernel)
         except BaseException:
             _registry.unregister(kernel)
+            if _registry.is_empty():
+                _shim.deactivate()
             raise
         return kernel
 
@@ -121,6 +127,17 @@ def _looks_like_kernel(obj: object) -> bool:
     return bool(params) and params[0] != "ctx" and params[0].endswith("_ref")
 
 
+def ffi_target(name: str) -> FfiTarget:
+    """The XLA FFI target ``name``, to register a rule for every ``ffi_call`` of it.
+
+    Example:
+        ```python
+        reprules.replication_rule(rules.same())(reprules.ffi_target("my_scale_add"))
+        ```
+    """
+    return FfiTarget(name)
+
+
 def unregister(kernel: Callable[..., object]) -> bool:
     """Removes the rule of ``kernel`` (for tests); returns whether it had one.
 
@@ -131,6 +148,8 @@ def unregister(kernel: Callable[..., object]) -> bool:
     removed = _registry.unregister(kernel)
     if _registry.is_empty():
         _shim.deactivate()
+    elif removed and _shim.active() and _shim.classify(kernel) == "primitive":
+        _shim.detach(kernel)
     return removed
 
 

@@ -40,16 +40,32 @@ def fmt_axes(axes: Iterable[str]) -> str:
     return "{" + ", ".join(repr(n) for n in names) + "}" if names else "{} (replicated)"
 
 
-def missing_rule_message(kernel_name: str, mesh_axes: Iterable[str], jax_version: str) -> str:
+def missing_rule_message(
+    kernel_name: str, mesh_axes: Iterable[str], jax_version: str, kind: str = "Pallas kernel"
+) -> str:
+    name = kernel_name.split(" ")[0]
+    if kind == "Pallas kernel":
+        fix = (
+            "Fix: declare it once on the kernel function, e.g.\n"
+            "    @reprules.replication_rule()          # outputs vary like the union of the inputs\n"
+            f"    def {name}(...): ...\n"
+            "or, for a kernel you cannot edit, "
+            f"`reprules.replication_rule(rules.same())({name})`."
+        )
+    elif kind == "FFI target":
+        fix = (
+            "Fix: register the target once, e.g.\n"
+            f"    reprules.replication_rule(rules.same())(reprules.ffi_target({name!r}))"
+        )
+    else:
+        fix = (
+            "Fix: register it once, e.g.\n"
+            f"    reprules.replication_rule(rules.same())(<the {name} {kind.split()[-1]} object>)"
+        )
     return (
-        f"The Pallas kernel {kernel_name!r} has no replication rule, so it cannot run "
+        f"The {kind} {name!r} has no replication rule, so it cannot run "
         f"inside a shard_map with checking on (mesh axes {fmt_axes(mesh_axes)}, "
         f"JAX {jax_version}).\n"
-        "Why: pallas_call is opaque to JAX, which therefore cannot tell over which "
-        "mesh axes its outputs vary.\n"
-        "Fix: declare it once on the kernel function, e.g.\n"
-        "    @reprules.replication_rule()          # outputs vary like the union of the inputs\n"
-        f"    def {kernel_name.split(' ')[0]}(...): ...\n"
-        "or, for a kernel you cannot edit, "
-        f"`reprules.replication_rule(rules.same())({kernel_name.split(' ')[0]})`."
+        f"Why: the {kind} is opaque to JAX, which therefore cannot tell over which "
+        "mesh axes its outputs vary.\n" + fix
     )

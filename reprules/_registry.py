@@ -34,25 +34,51 @@ class Registration:
         return f"{self.where} -> {self.rule!r}"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FfiTarget:
+    """An XLA FFI target, by the name ``jax.ffi.ffi_call`` calls it with.
+
+    Targets are identified by name (every ``ffi_call`` of the name shares the rule).
+    """
+
+    name: str
+
+
 _lock = threading.RLock()
 _rules: weakref.WeakKeyDictionary[object, Registration] = weakref.WeakKeyDictionary()
+_targets: dict[FfiTarget, Registration] = {}  # by value: names are not weak-referenceable
+
+
+def _table(kernel: object) -> dict:
+    return _targets if isinstance(kernel, FfiTarget) else _rules  # type: ignore[return-value]
 
 
 def kernel_name(kernel: object) -> str:
     """The name JAX would show for ``kernel``, looking through partials."""
     while isinstance(kernel, functools.partial):
         kernel = kernel.func
-    return getattr(kernel, "__name__", None) or type(kernel).__name__
+    if isinstance(kernel, FfiTarget):
+        return kernel.name
+    # Primitives have .name; Triton's JITFunction has .__name__ (or .fn).
+    for attr in ("__name__", "name"):
+        name = getattr(kernel, attr, None)
+        if isinstance(name, str):
+            return name
+    return type(kernel).__name__
 
 
 def _where(kernel: object) -> str:
+    if isinstance(kernel, FfiTarget):
+        return f"ffi_target:{kernel.name}"
+    qualname = getattr(kernel, "__qualname__", None)
+    if qualname is None:  # an instance, e.g. a Primitive: name it by its type
+        return f"{type(kernel).__name__}:{kernel_name(kernel)}"
     module = getattr(kernel, "__module__", None) or "?"
-    qualname = getattr(kernel, "__qualname__", None) or kernel_name(kernel)
     return f"{module}.{qualname}"
 
 
 def register(kernel: object, rule: RuleLike, *, override: bool) -> Registration:
-    if isinstance(kernel, functools.partial) or not callable(kernel):
+    if isinstance(kernel, functools.partial) or not (callable(kernel) or isinstance(kernel, FfiTarget)):
         raise RegistrationError(
             f"Cannot register a replication rule on {kernel!r}: it is "
             f"{'a functools.partial' if callable(kernel) else 'not callable'}.\n"
@@ -67,11 +93,21 @@ def register(kernel: object, rule: RuleLike, *, override: bool) -> Registration:
             "Fix: pass one of reprules.rules (e.g. rules.same()) or a callable "
             "`rule(ctx, in_varying) -> Decision | sequence of sets`."
         )
-    new = Registration(
-        rule=rule, name=kernel_name(kernel), where=_where(kernel), kernel_ref=weakref.ref(kernel)
-    )
+    try:
+        ref: Callable[[], object | None] = (
+            (lambda: kernel) if isinstance(kernel, FfiTarget) else weakref.ref(kernel)
+        )
+    except TypeError:
+        raise RegistrationError(
+            f"Cannot register a replication rule on {kernel!r}: it cannot be weakly referenced, "
+            "so it is not a kernel function, primitive or FFI target.\n"
+            "Fix: register the Pallas kernel function, the jax.extend.core.Primitive, "
+            "reprules.ffi_target(name), or the Triton kernel."
+        ) from None
+    new = Registration(rule=rule, name=kernel_name(kernel), where=_where(kernel), kernel_ref=ref)
+    table = _table(kernel)
     with _lock:
-        old = _rules.get(kernel)
+        old = table.get(kernel)
         if old is not None and old.rule != rule and not override:
             raise RegistrationError(
                 f"Kernel {new.where!r} already has the replication rule {old.rule!r}; "
@@ -80,14 +116,17 @@ def register(kernel: object, rule: RuleLike, *, override: bool) -> Registration:
                 "Fix: pass override=True to replication_rule(...) if the replacement is "
                 "intended, or call reprules.unregister(kernel) first."
             )
-        _rules[kernel] = new
+        table[kernel] = new
     return new
 
 
 def unregister(kernel: object) -> bool:
     """Removes ``kernel``'s rule; returns whether it had one."""
     with _lock:
-        return _rules.pop(kernel, None) is not None
+        try:
+            return _table(kernel).pop(kernel, None) is not None
+        except TypeError:  # not weak-referenceable, so never registered
+            return False
 
 
 def lookup(kernel: object) -> Registration | None:
@@ -95,7 +134,7 @@ def lookup(kernel: object) -> Registration | None:
     with _lock:
         while True:
             try:
-                reg = _rules.get(kernel)
+                reg = _table(kernel).get(kernel)
             except TypeError:  # not weak-referenceable, so never registered
                 reg = None
             if reg is not None or not isinstance(kernel, functools.partial):
@@ -106,12 +145,12 @@ def lookup(kernel: object) -> Registration | None:
 def registered() -> dict[str, Registration]:
     """A snapshot of the registry, keyed by ``module.qualname``."""
     with _lock:
-        return {reg.where: reg for reg in _rules.values()}
+        return {reg.where: reg for reg in [*_rules.values(), *_targets.values()]}
 
 
 def is_empty() -> bool:
     with _lock:
-        return not _rules
+        return not _rules and not _targets
 
 
 Kernel = Callable[..., object]

@@ -30,6 +30,7 @@ SUPPORTED_TEXT = ">=0.4.28,<0.13"
 _lock = threading.RLock()
 _regime: ModuleType | None = None
 _patches: _common.Patches | None = None
+_attached: dict[object, _common.Patches] = {}  # per hooked primitive
 
 
 def regime() -> ModuleType:
@@ -81,10 +82,73 @@ def activate() -> None:
         _patches = patches
 
 
+def classify(target: object) -> str:
+    """What a registration target is: "pallas", "primitive", "ffi" or "triton".
+
+    Raises if this JAX cannot apply a rule to it.
+    """
+    from jax._src import core
+
+    from reprules._errors import RegistrationError
+    from reprules._registry import FfiTarget
+
+    if isinstance(target, FfiTarget):
+        if _common.ffi_call_p() is None:
+            raise UnsupportedJaxError(
+                f"Cannot apply a rule to FFI target {target.name!r}: JAX {JAX_VERSION} has no "
+                "ffi_call (added in JAX 0.4.31).\nFix: upgrade JAX to 0.4.31 or newer."
+            )
+        return "ffi"
+    if isinstance(target, core.Primitive):
+        return "primitive"
+    if type(target).__module__.split(".")[0] == "triton":
+        try:
+            import jax_triton  # noqa: F401
+        except ImportError as err:
+            raise RegistrationError(
+                f"Cannot apply a rule to the Triton kernel {target!r}: jax-triton is not "
+                f"importable with JAX {JAX_VERSION} ({err}).\n"
+                "Fix: pip install 'reprules[triton]' (jax-triton needs a GPU-enabled jaxlib)."
+            ) from err
+        return "triton"
+    return "pallas"
+
+
+def attach(target: object) -> None:
+    """Installs the per-primitive hooks a registration target needs."""
+    with _lock:
+        activate()
+        kind = classify(target)
+        if kind == "primitive":
+            op = _common.primitive_opaque(target)
+        elif kind == "triton":
+            op = _common.triton_opaque()
+        else:
+            return  # Pallas kernels and FFI targets use the hooks of activate()
+        if op.prim in _attached:
+            return
+        patches = _common.Patches()
+        try:
+            regime().attach(op, patches)
+        except BaseException:
+            patches.undo_all()
+            raise
+        _attached[op.prim] = patches
+
+
+def detach(prim: object) -> None:
+    with _lock:
+        patches = _attached.pop(prim, None)
+        if patches is not None:
+            patches.undo_all()
+
+
 def deactivate() -> None:
     """Restores every patched JAX object (idempotent)."""
     global _patches
     with _lock:
+        for prim in list(_attached):
+            detach(prim)
         if _patches is not None:
             _patches.undo_all()
             _patches = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -94,6 +95,81 @@ def registration_of(params: dict[str, Any]) -> Registration | None:
     """The registration behind a ``pallas_call_p`` equation, from its params."""
     with _by_jaxpr_lock:
         return _by_jaxpr.get(params.get("jaxpr"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Opaque:
+    """How to find the rule behind one equation of an opaque primitive.
+
+    Attributes:
+      prim: The JAX primitive.
+      kind: What users call it, for messages ("Pallas kernel", "FFI target", ...).
+      lookup: The registration for an equation's params, or None.
+      name: The kernel/target name for an equation's params.
+      layout: ``(first user operand, number of outputs or None if unknown)``
+        for an equation's params and operand count.
+    """
+
+    prim: Any
+    kind: str
+    lookup: Callable[[dict[str, Any]], Registration | None]
+    name: Callable[[dict[str, Any]], str]
+    layout: Callable[[dict[str, Any], int], tuple[int, int | None]]
+
+
+def primitive_opaque(prim: Any) -> Opaque:
+    """A user primitive: the rule belongs to the primitive object itself."""
+    from reprules._registry import lookup
+
+    return Opaque(
+        prim=prim,
+        kind="primitive",
+        lookup=lambda params: lookup(prim),
+        name=lambda params: prim.name,
+        layout=lambda params, n: (0, None if prim.multiple_results else 1),
+    )
+
+
+def ffi_call_p() -> Any | None:
+    try:  # 0.5+
+        from jax._src.ffi import ffi_call_p as p
+    except ImportError:
+        try:  # 0.4.31 - 0.4.38
+            from jax._src.extend.ffi import ffi_call_p as p
+        except ImportError:  # 0.4.28 - 0.4.30: no ffi_call
+            return None
+    return p
+
+
+def ffi_opaque() -> Opaque | None:
+    """``ffi_call``: the rule belongs to the target name."""
+    from reprules._registry import FfiTarget, lookup
+
+    prim = ffi_call_p()
+    if prim is None:
+        return None
+    return Opaque(
+        prim=prim,
+        kind="FFI target",
+        lookup=lambda params: lookup(FfiTarget(str(params.get("target_name")))),
+        name=lambda params: str(params.get("target_name")),
+        layout=lambda params, n: (0, len(params["result_avals"])),
+    )
+
+
+def triton_opaque() -> Opaque:
+    """jax-triton's ``triton_kernel_call``: the rule belongs to the Triton kernel."""
+    from jax_triton import triton_lib
+
+    from reprules._registry import kernel_name, lookup
+
+    return Opaque(
+        prim=triton_lib.triton_kernel_call_p,
+        kind="Triton kernel",
+        lookup=lambda params: lookup(params.get("fn")),
+        name=lambda params: params.get("name") or kernel_name(params.get("fn")),
+        layout=lambda params, n: (0, len(params["out_shapes"])),
+    )
 
 
 def pallas_call_p() -> Any:

@@ -39,6 +39,21 @@ class TypeField(vma.TypeField):
 
         return aval.update_manual_axis_type(core.empty_mat) if hasattr(aval, "mat") else aval
 
+    def retype(self, aval: Any, varying: frozenset[str]) -> Any:
+        from jax._src import core
+
+        extra = vma._mesh_sharding(aval, varying)
+        aval = aval.update(**extra) if extra else aval
+        mat = getattr(aval, "mat", None) or core.empty_mat
+        return aval.update_manual_axis_type(_with_varying(mat, varying))
+
+
+def _with_varying(mat: Any, varying: frozenset[str]) -> Any:
+    from jax._src import core
+
+    kwargs = {f: getattr(mat, f) for f in ("unreduced", "reduced", "unreduced_kind") if hasattr(mat, f)}
+    return core.ManualAxisType(varying=frozenset(varying), **kwargs)
+
 
 def detect() -> bool:
     from jax._src import core
@@ -48,3 +63,4 @@ def detect() -> bool:
 
 _regime = vma.Regime(TypeField())
 install = _regime.install
+attach = _regime.attach

@@ -34,7 +34,7 @@ def detect() -> bool:
     return hasattr(sm, "_check_rules") and hasattr(sm, "_rewrite_rules")
 
 
-def _user_operands(params: dict[str, Any], num_operands: int) -> tuple[int, int]:
+def _pallas_layout(params: dict[str, Any], num_operands: int) -> tuple[int, int]:
     """(first user operand, number of outputs) of a ``pallas_call_p`` equation.
 
     Kernel constants and dynamic grid bounds come first; the user's arrays last.
@@ -48,55 +48,95 @@ def _user_operands(params: dict[str, Any], num_operands: int) -> tuple[int, int]
     return num_operands - num_user, num_out
 
 
-def _decide_eqn(mesh: Any, in_rep: tuple[Any, ...], params: dict[str, Any]):
-    all_axes = frozenset(mesh.axis_names)
-    reg = _common.registration_of(params)
-    if reg is None:
-        raise _errors.MissingRuleError(
+def pallas_opaque() -> _common.Opaque:
+    return _common.Opaque(
+        prim=_common.pallas_call_p(),
+        kind="Pallas kernel",
+        lookup=_common.registration_of,
+        name=_common.kernel_name_from_params,
+        layout=_pallas_layout,
+    )
+
+
+def attach(op: _common.Opaque, patches: _common.Patches) -> None:
+    """Installs check and rewrite rules for ``op.prim`` that dispatch to the
+    rule of each equation. Equations without a rule keep JAX's own rules where
+    JAX has them (``ffi_call`` from 0.4.38) and raise MissingRuleError otherwise."""
+    from jax.experimental import shard_map as sm
+
+    jax_check = sm._check_rules.get(op.prim)
+    jax_rewrite = sm._rewrite_rules.get(op.prim)
+
+    def decide_eqn(mesh: Any, in_rep: tuple[Any, ...], params: dict[str, Any]):
+        all_axes = frozenset(mesh.axis_names)
+        reg = op.lookup(params)
+        if reg is None:
+            return None
+        first, num_out = op.layout(params, len(in_rep))
+        # A rep of None marks a literal: replicated everywhere.
+        in_vary = tuple(all_axes - r if r is not None else frozenset() for r in in_rep[first:])
+        ctx = RuleContext(
+            kernel_name=reg.name,
+            kernel=reg.kernel(),
+            mesh_axes=tuple(mesh.axis_names),
+            num_inputs=len(in_vary),
+            num_outputs=1 if num_out is None else num_out,  # None: a multiple-results primitive
+            jax_version=_common.JAX_VERSION,
+        )
+        return first, in_vary, decide(reg, ctx, in_vary), all_axes
+
+    def missing(mesh: Any, params: dict[str, Any]) -> _errors.MissingRuleError:
+        return _errors.MissingRuleError(
             _errors.missing_rule_message(
-                _common.kernel_name_from_params(params), all_axes, _common.JAX_VERSION
+                op.name(params), mesh.axis_names, _common.JAX_VERSION, kind=op.kind
             )
         )
-    first, num_out = _user_operands(params, len(in_rep))
-    # A rep of None marks a literal: replicated everywhere.
-    in_vary = tuple(all_axes - r if r is not None else frozenset() for r in in_rep[first:])
-    ctx = RuleContext(
-        kernel_name=reg.name,
-        kernel=reg.kernel(),
-        mesh_axes=tuple(mesh.axis_names),
-        num_inputs=len(in_vary),
-        num_outputs=num_out,
-        jax_version=_common.JAX_VERSION,
-    )
-    return first, in_vary, decide(reg, ctx, in_vary), all_axes
 
+    def out_reps(decision, all_axes, num_outs: int) -> list[set[str]]:
+        reps = [set(all_axes - o) for o in decision.outputs]
+        return reps * num_outs if len(reps) == 1 and num_outs != 1 else reps
 
-# Both rules take `mesh` (and `in_rep`) positional-only: since 0.5.0
-# pallas_call_p has a param named `mesh` too.
-def _check_rule(mesh: Any, /, *in_rep: Any, **params: Any) -> list[set[str]]:
-    _, _, decision, all_axes = _decide_eqn(mesh, in_rep, params)
-    return [set(all_axes - o) for o in decision.outputs]
+    # Both rules take `mesh` (and `in_rep`) positional-only: since 0.5.0
+    # pallas_call_p has a param named `mesh` too.
+    def check_rule(mesh: Any, /, *in_rep: Any, **params: Any) -> Any:
+        decided = decide_eqn(mesh, in_rep, params)
+        if decided is None:
+            if jax_check is not None:
+                return jax_check(mesh, *in_rep, **params)
+            raise missing(mesh, params)
+        _, _, decision, all_axes = decided
+        reps = [set(all_axes - o) for o in decision.outputs]
+        if not op.prim.multiple_results:
+            return reps[0]
+        return reps if len(reps) > 1 else reps[0]  # one set: JAX applies it to every output
 
+    def rewrite_rule(mesh: Any, in_rep: Any, /, *args: Any, **params: Any) -> Any:
+        from jax.experimental.shard_map import pbroadcast  # not jax.lax.pbroadcast
 
-def _rewrite_rule(mesh: Any, in_rep: Any, /, *args: Any, **params: Any):
-    from jax.experimental.shard_map import pbroadcast  # not jax.lax.pbroadcast
+        decided = decide_eqn(mesh, tuple(in_rep), params)
+        if decided is None:
+            if jax_rewrite is not None:
+                return jax_rewrite(mesh, in_rep, *args, **params)
+            raise missing(mesh, params)
+        first, in_vary, decision, all_axes = decided
+        args = list(args)
+        if decision.inputs is not None:
+            for i, (now, target) in enumerate(zip(in_vary, decision.inputs)):
+                if target - now:
+                    args[first + i] = pbroadcast(args[first + i], tuple(sorted(target - now)))
+        outs = op.prim.bind(*args, **params)
+        outs = list(outs) if op.prim.multiple_results else [outs]
+        return outs, out_reps(decision, all_axes, len(outs))
 
-    first, in_vary, decision, all_axes = _decide_eqn(mesh, tuple(in_rep), params)
-    args = list(args)
-    if decision.inputs is not None:
-        for i, (now, target) in enumerate(zip(in_vary, decision.inputs)):
-            if target - now:
-                args[first + i] = pbroadcast(args[first + i], tuple(sorted(target - now)))
-    outs = _common.pallas_call_p().bind(*args, **params)
-    return list(outs), [set(all_axes - o) for o in decision.outputs]
+    patches.setitem(sm._check_rules, op.prim, check_rule)
+    patches.setitem(sm._rewrite_rules, op.prim, rewrite_rule)
 
 
 def install(patches: _common.Patches) -> None:
-    from jax.experimental import shard_map as sm
-
-    prim = _common.pallas_call_p()
-    patches.setitem(sm._check_rules, prim, _check_rule)
-    patches.setitem(sm._rewrite_rules, prim, _rewrite_rule)
+    attach(pallas_opaque(), patches)
+    ffi = _common.ffi_opaque()
+    if ffi is not None:
+        attach(ffi, patches)
     _common.install_pallas_hooks(patches, _wrap_call)
 
 

@@ -56,6 +56,21 @@ class TypeField:
     def strip(self, aval: Any) -> Any:
         return aval.update(vma=frozenset()) if hasattr(aval, "vma") else aval
 
+    def retype(self, aval: Any, varying: frozenset[str]) -> Any:
+        return aval.update(vma=frozenset(varying), **_mesh_sharding(aval, varying))
+
+
+def _mesh_sharding(aval: Any, varying: frozenset[str]) -> dict[str, Any]:
+    """From 0.8, a type that varies needs a sharding on a (manual) mesh: an
+    abstract eval that built ``ShapedArray(shape, dtype)`` has none."""
+    from jax._src import core
+
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if not varying or (mesh is not None and not getattr(mesh, "empty", False)):
+        return {}
+    get_cur_mesh_sharding = getattr(core, "get_cur_mesh_sharding", None)
+    return {"sharding": get_cur_mesh_sharding()} if get_cur_mesh_sharding else {}
+
 
 def detect() -> bool:
     from jax._src import core
@@ -234,6 +249,53 @@ class Regime:
 
         return flatten_bwd
 
+    def attach(self, op: _common.Opaque, patches: _common.Patches) -> None:
+        """Types the outputs of ``op.prim`` by the rule of each equation (its
+        abstract eval), and casts inputs up before binding (its bind).
+        Equations without a rule are left exactly as JAX types them."""
+        field = self.field
+        prim = op.prim
+        original_abstract_eval = prim.abstract_eval
+        original_bind = prim.bind  # may already be another reprules hook
+
+        def context(reg: Registration, num_inputs: int, num_outputs: int) -> RuleContext:
+            return RuleContext(
+                kernel_name=reg.name,
+                kernel=reg.kernel(),
+                mesh_axes=manual_axes(),
+                num_inputs=num_inputs,
+                num_outputs=num_outputs,
+                jax_version=_common.JAX_VERSION,
+            )
+
+        def abstract_eval(*avals: Any, **params: Any) -> Any:
+            out, effects = original_abstract_eval(*avals, **params)
+            reg = op.lookup(params)
+            if reg is None or not checking() or not manual_axes():
+                return out, effects
+            first, _ = op.layout(params, len(avals))
+            outs = list(out) if prim.multiple_results else [out]
+            in_vary = tuple(field.varying(a) for a in avals[first:])
+            decision = decide(reg, context(reg, len(in_vary), len(outs)), in_vary)
+            outs = [field.retype(o, v) for o, v in zip(outs, decision.outputs)]
+            return (outs if prim.multiple_results else outs[0]), effects
+
+        def bind(*args: Any, **params: Any) -> Any:
+            reg = op.lookup(params)
+            if reg is not None and checking() and manual_axes():
+                first, num_out = op.layout(params, len(args))
+                in_vary = tuple(field.varying(jax.typeof(a)) for a in args[first:])
+                decision = decide(reg, context(reg, len(in_vary), num_out or 1), in_vary)
+                if decision.inputs is not None:
+                    args = args[:first] + tuple(
+                        cast_up(a, target - now) if target - now else a
+                        for a, now, target in zip(args[first:], in_vary, decision.inputs)
+                    )
+            return original_bind(*args, **params)
+
+        patches.setattr(prim, "abstract_eval", abstract_eval)
+        patches.setattr(prim, "bind", bind)
+
     def install(self, patches: _common.Patches) -> None:
         from jax._src import custom_derivatives
         from jax._src.interpreters import mlir
@@ -250,7 +312,11 @@ class Regime:
             self._fix_custom_vjp_cotangents(custom_derivatives._flatten_bwd),
         )
         _common.install_pallas_hooks(patches, self.wrap_call)
+        ffi = _common.ffi_opaque()
+        if ffi is not None:
+            self.attach(ffi, patches)
 
 
 _regime = Regime(TypeField())
 install = _regime.install
+attach = _regime.attach
