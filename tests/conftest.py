@@ -13,14 +13,6 @@ import pytest  # noqa: E402
 import reprules  # noqa: E402
 
 
-def pytest_report_header(config):
-    support = reprules.jax_support()
-    return (
-        f"reprules {reprules.__version__}; JAX {support['jax']} ({support['regime']} regime: "
-        f"{support['mechanism']}); {jax.device_count()} CPU devices"
-    )
-
-
 def pytest_sessionstart(session):
     if jax.device_count() < 8:
         raise pytest.UsageError(
