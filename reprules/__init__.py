@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from collections.abc import Callable
 from typing import TypeVar, overload
@@ -93,7 +94,8 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
     chosen: rules.RuleLike = rules.same() if rule is None else rule
 
     def register(kernel: K) -> K:
-        _shim.regime()  # an unsupported JAX raises before anything is registered
+        if not isinstance(kernel, functools.partial):
+            _shim.classify(kernel)  # not a kernel, or unsupported here: raise before registering
         _registry.register(kernel, chosen, override=override)
         try:
             _shim.attach(kernel)

@@ -78,10 +78,9 @@ def _where(kernel: object) -> str:
 
 
 def register(kernel: object, rule: RuleLike, *, override: bool) -> Registration:
-    if isinstance(kernel, functools.partial) or not (callable(kernel) or isinstance(kernel, FfiTarget)):
+    if isinstance(kernel, functools.partial):
         raise RegistrationError(
-            f"Cannot register a replication rule on {kernel!r}: it is "
-            f"{'a functools.partial' if callable(kernel) else 'not callable'}.\n"
+            f"Cannot register a replication rule on {kernel!r}: it is a functools.partial.\n"
             "Why: a rule belongs to the kernel function itself, and partials of it "
             "find that rule automatically.\n"
             "Fix: decorate the function passed to pl.pallas_call (the underlying "

@@ -111,7 +111,15 @@ def classify(target: object) -> str:
                 "Fix: pip install 'reprules[triton]' (jax-triton needs a GPU-enabled jaxlib)."
             ) from err
         return "triton"
-    return "pallas"
+    if callable(target) and not isinstance(target, type):
+        return "pallas"
+    raise RegistrationError(
+        f"Cannot register a replication rule on {target!r} ({type(target).__name__}): it is not "
+        "a kernel function, a primitive, an FFI target or a Triton kernel.\n"
+        "Why: a rule describes the outputs of one opaque kernel.\n"
+        "Fix: register the function passed to pl.pallas_call, a jax.extend.core.Primitive, "
+        "reprules.ffi_target(name), or the Triton kernel passed to jax_triton.triton_call."
+    )
 
 
 def attach(target: object) -> None:
