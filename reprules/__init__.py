@@ -96,7 +96,8 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
     def register(kernel: K) -> K:
         if not isinstance(kernel, functools.partial):
             _shim.classify(kernel)  # not a kernel, or unsupported here: raise before registering
-        _registry.register(kernel, chosen, override=override)
+        before = _registry.lookup(kernel)
+        reg = _registry.register(kernel, chosen, override=override)
         try:
             _shim.attach(kernel)
         except BaseException:
@@ -104,6 +105,8 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
             if _registry.is_empty():
                 _shim.deactivate()
             raise
+        if before is None or before.rule != reg.rule:
+            _forget_traces()
         return kernel
 
     if _looks_like_kernel(rule):
@@ -152,7 +155,20 @@ def unregister(kernel: Callable[..., object]) -> bool:
         _shim.deactivate()
     elif removed and _shim.active() and _shim.classify(kernel) == "primitive":
         _shim.detach(kernel)
+    if removed:
+        _forget_traces()
     return removed
+
+
+def _forget_traces() -> None:
+    """Drops JAX's cached traces and compilations after a rule changed.
+
+    JAX caches the jaxpr of a function by its identity; a function traced before
+    the change would otherwise keep the old typing (stale, and silently so).
+    """
+    import jax
+
+    jax.clear_caches()
 
 
 def registered() -> dict[str, Registration]:

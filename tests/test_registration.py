@@ -159,3 +159,14 @@ def test_jax_support_names_the_regime():
     support = reprules.jax_support()
     assert support["jax"] == jax.__version__
     assert support["regime"] in {"rep", "vma", "mat"}
+
+
+def test_changing_a_rule_after_tracing_is_not_stale():
+    mesh = make_mesh()
+    x = put(randn(0, (8, 128)), mesh, P("data", None))
+    reprules.replication_rule(rules.same())(copy_kernel)
+    step = jax.jit(shard_map(lambda x: call(copy_kernel, x), mesh, P("data", None), P("data", None)))
+    assert step(x).shape == (8, 128)  # traced and cached under rules.same()
+    reprules.replication_rule(rules.varying("model"), override=True)(copy_kernel)
+    with pytest.raises(ValueError, match="out_specs"):  # the new rule applies to the same jitted step
+        step(x)
