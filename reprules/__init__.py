@@ -30,6 +30,9 @@ from reprules._errors import ReprulesError as ReprulesError
 from reprules._errors import RuleError as RuleError
 from reprules._errors import UnsupportedJaxError as UnsupportedJaxError
 from reprules._registry import FfiTarget as FfiTarget
+from reprules._packs import PackStatus as PackStatus
+from reprules._packs import PackWarning as PackWarning
+from reprules._packs import packs as packs
 from reprules._registry import Registration as Registration
 
 try:
@@ -40,6 +43,8 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
 __all__ = [
     "FfiTarget",
     "MissingRuleError",
+    "PackStatus",
+    "PackWarning",
     "Registration",
     "RegistrationError",
     "ReprulesError",
@@ -47,6 +52,7 @@ __all__ = [
     "UnsupportedJaxError",
     "ffi_target",
     "jax_support",
+    "packs",
     "registered",
     "replication_rule",
     "rules",
@@ -89,7 +95,7 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
         replication_rule()(layer_norm._layer_norm_forward_kernel)  # someone else's kernel
         ```
     """
-    from reprules import _registry, _shim
+    from reprules import _packs, _registry, _shim
 
     chosen: rules.RuleLike = rules.same() if rule is None else rule
 
@@ -97,7 +103,9 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
         if not isinstance(kernel, functools.partial):
             _shim.classify(kernel)  # not a kernel, or unsupported here: raise before registering
         before = _registry.lookup(kernel)
-        reg = _registry.register(kernel, chosen, override=override)
+        pack = _packs.current_pack()
+        source = f"pack {pack}" if pack else _caller()
+        reg = _registry.register(kernel, chosen, override=override, source=source)
         try:
             _shim.attach(kernel)
         except BaseException:
@@ -117,6 +125,17 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
             "`@replication_rule(rules.same())`."
         )
     return register
+
+
+def _caller() -> str:
+    """``file:line`` of the first frame outside reprules (who registered)."""
+    import sys
+
+    frame = sys._getframe(1)
+    package_dir = __file__.rsplit("/", 1)[0]
+    while frame is not None and frame.f_code.co_filename.startswith(package_dir):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame else "?"
 
 
 def _looks_like_kernel(obj: object) -> bool:
@@ -190,3 +209,8 @@ def jax_support() -> dict[str, str]:
         "mechanism": module.MECHANISM,
         "check_flag": module.CHECK_FLAG,
     }
+
+
+from reprules import _packs  # noqa: E402
+
+_packs.discover()  # cheap: reads entry-point names, loads nothing until needed

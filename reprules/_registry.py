@@ -26,12 +26,13 @@ class Registration:
     name: str
     where: str  # "module.qualname"
     kernel_ref: Callable[[], object | None]  # weak: registering keeps nothing alive
+    source: str = "?"  # "pack <entry point>" or the "file:line" that registered it
 
     def kernel(self) -> object | None:
         return self.kernel_ref()
 
     def describe(self) -> str:
-        return f"{self.where} -> {self.rule!r}"
+        return f"{self.where} -> {self.rule!r} (from {self.source})"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,7 +78,7 @@ def _where(kernel: object) -> str:
     return f"{module}.{qualname}"
 
 
-def register(kernel: object, rule: RuleLike, *, override: bool) -> Registration:
+def register(kernel: object, rule: RuleLike, *, override: bool, source: str = "?") -> Registration:
     if isinstance(kernel, functools.partial):
         raise RegistrationError(
             f"Cannot register a replication rule on {kernel!r}: it is a functools.partial.\n"
@@ -103,7 +104,9 @@ def register(kernel: object, rule: RuleLike, *, override: bool) -> Registration:
             "Fix: register the Pallas kernel function, the jax.extend.core.Primitive, "
             "reprules.ffi_target(name), or the Triton kernel."
         ) from None
-    new = Registration(rule=rule, name=kernel_name(kernel), where=_where(kernel), kernel_ref=ref)
+    new = Registration(
+        rule=rule, name=kernel_name(kernel), where=_where(kernel), kernel_ref=ref, source=source
+    )
     table = _table(kernel)
     with _lock:
         old = table.get(kernel)
