@@ -26,9 +26,13 @@ from typing import TypeVar, overload
 from reprules import rules as rules
 from reprules._errors import MissingRuleError as MissingRuleError
 from reprules._errors import RegistrationError as RegistrationError
+from reprules._errors import ReplicationMismatchError as ReplicationMismatchError
 from reprules._errors import ReprulesError as ReprulesError
 from reprules._errors import RuleError as RuleError
+from reprules._errors import StrictModeError as StrictModeError
 from reprules._errors import UnsupportedJaxError as UnsupportedJaxError
+from reprules._modes import strict as strict
+from reprules._modes import verify as verify
 from reprules._registry import FfiTarget as FfiTarget
 from reprules._packs import PackStatus as PackStatus
 from reprules._packs import PackWarning as PackWarning
@@ -47,8 +51,10 @@ __all__ = [
     "PackWarning",
     "Registration",
     "RegistrationError",
+    "ReplicationMismatchError",
     "ReprulesError",
     "RuleError",
+    "StrictModeError",
     "UnsupportedJaxError",
     "ffi_target",
     "jax_support",
@@ -56,7 +62,9 @@ __all__ = [
     "registered",
     "replication_rule",
     "rules",
+    "strict",
     "unregister",
+    "verify",
 ]
 
 K = TypeVar("K", bound=Callable[..., object])
@@ -211,6 +219,11 @@ def jax_support() -> dict[str, str]:
     }
 
 
-from reprules import _packs  # noqa: E402
+from reprules import _modes, _packs  # noqa: E402
 
 _packs.discover()  # cheap: reads entry-point names, loads nothing until needed
+
+if _modes.strict_on():  # REPRULES_STRICT=1 for a whole run
+    from reprules import _shim as _shim_for_strict
+
+    _shim_for_strict.sync_strict()

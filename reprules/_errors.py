@@ -69,3 +69,11 @@ def missing_rule_message(
         f"Why: the {kind} is opaque to JAX, which therefore cannot tell over which "
         "mesh axes its outputs vary.\n" + fix
     )
+
+
+class ReplicationMismatchError(ReprulesError, RuntimeError):
+    """Verify mode found an output that differs across an axis its rule calls replicated."""
+
+
+class StrictModeError(ReprulesError, ValueError):
+    """Strict mode refused an opaque primitive that JAX would type as replicated."""

@@ -109,6 +109,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                     f"--reprules-cpu-devices {need} to provide fake CPU devices")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """With ``REPRULES_VERIFY=1``, fails a test whose kernels broke their rules."""
+    yield
+    if "reprules._shim._verify" not in sys.modules:  # nothing was verified: JAX untouched
+        return
+    from reprules import _modes
+    from reprules._shim import _verify
+
+    if _modes.verifying():
+        found = _verify.take_mismatches()
+        if found:
+            pytest.fail("\n\n".join(found), pytrace=False)
+
+
 @pytest.fixture
 def collectives() -> Callable[..., Any]:
     """``reprules.testing.collectives``: the report of a function's collectives."""

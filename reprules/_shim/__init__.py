@@ -31,6 +31,7 @@ _lock = threading.RLock()
 _regime: ModuleType | None = None
 _patches: _common.Patches | None = None
 _attached: dict[object, _common.Patches] = {}  # per hooked primitive
+_strict_patches: _common.Patches | None = None
 
 
 def regime() -> ModuleType:
@@ -160,6 +161,25 @@ def deactivate() -> None:
         if _patches is not None:
             _patches.undo_all()
             _patches = None
+
+
+def sync_strict() -> None:
+    """Installs or removes strict mode's hook to match ``_modes.strict_on()``.
+
+    Only the vma and mat regimes need it: JAX <= 0.5 refuses rule-less primitives itself.
+    """
+    global _strict_patches
+    from reprules import _modes
+
+    with _lock:
+        module = regime()
+        want = _modes.strict_on() and hasattr(module, "install_strict")
+        if want and _strict_patches is None:
+            _strict_patches = _common.Patches()
+            module.install_strict(_strict_patches)
+        elif not want and _strict_patches is not None:
+            _strict_patches.undo_all()
+            _strict_patches = None
 
 
 def active() -> bool:

@@ -75,16 +75,19 @@ class Patches:
 
 # --- which pallas_call equations belong to registered kernels -----------------
 
-_tracing: contextvars.ContextVar[Registration | None] = contextvars.ContextVar(
+# Kernel jaxpr -> weak reference to the registered kernel. The kernel, not its
+# Registration, so that a rule changed or removed later is seen at once, even by
+# equations JAX kept in its caches.
+_tracing: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.ContextVar(
     "reprules_tracing", default=None
 )
-_by_jaxpr: weakref.WeakKeyDictionary[Any, Registration] = weakref.WeakKeyDictionary()
+_by_jaxpr: weakref.WeakKeyDictionary[Any, Callable[[], Any]] = weakref.WeakKeyDictionary()
 _by_jaxpr_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def tracing(reg: Registration) -> Iterator[None]:
-    token = _tracing.set(reg)
+    token = _tracing.set(reg.kernel_ref)
     try:
         yield
     finally:
@@ -92,9 +95,13 @@ def tracing(reg: Registration) -> Iterator[None]:
 
 
 def registration_of(params: dict[str, Any]) -> Registration | None:
-    """The registration behind a ``pallas_call_p`` equation, from its params."""
+    """The current registration behind a ``pallas_call_p`` equation, from its params."""
+    from reprules._registry import lookup
+
     with _by_jaxpr_lock:
-        return _by_jaxpr.get(params.get("jaxpr"))
+        kernel_ref = _by_jaxpr.get(params.get("jaxpr"))
+    kernel = kernel_ref() if kernel_ref is not None else None
+    return lookup(kernel) if kernel is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +213,10 @@ def install_pallas_hooks(patches: Patches, wrap_call: Callable[..., Any]) -> Non
     original_bind = type(prim).bind
 
     def bind(*args: Any, **params: Any) -> Any:
-        reg = _tracing.get()
-        if reg is not None and "jaxpr" in params:
+        kernel_ref = _tracing.get()
+        if kernel_ref is not None and "jaxpr" in params:
             with _by_jaxpr_lock:
-                _by_jaxpr[params["jaxpr"]] = reg
+                _by_jaxpr[params["jaxpr"]] = kernel_ref
         return original_bind(prim, *args, **params)
 
     patches.setattr(prim, "bind", bind)

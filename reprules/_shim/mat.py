@@ -64,3 +64,4 @@ def detect() -> bool:
 _regime = vma.Regime(TypeField())
 install = _regime.install
 attach = _regime.attach
+install_strict = _regime.install_strict

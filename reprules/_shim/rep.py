@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from reprules import _errors
+from reprules import _errors, _modes
 from reprules._decide import decide
 from reprules._registry import Registration
-from reprules._shim import _common
+from reprules._shim import _common, _verify
 from reprules.rules import RuleContext
 
 NAME = "rep"
@@ -83,7 +83,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
             num_outputs=1 if num_out is None else num_out,  # None: a multiple-results primitive
             jax_version=_common.JAX_VERSION,
         )
-        return first, in_vary, decide(reg, ctx, in_vary), all_axes
+        return first, in_vary, decide(reg, ctx, in_vary), all_axes, reg
 
     def missing(mesh: Any, params: dict[str, Any]) -> _errors.MissingRuleError:
         return _errors.MissingRuleError(
@@ -104,7 +104,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
             if jax_check is not None:
                 return jax_check(mesh, *in_rep, **params)
             raise missing(mesh, params)
-        _, _, decision, all_axes = decided
+        _, _, decision, all_axes, _ = decided
         reps = [set(all_axes - o) for o in decision.outputs]
         if not op.prim.multiple_results:
             return reps[0]
@@ -118,7 +118,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
             if jax_rewrite is not None:
                 return jax_rewrite(mesh, in_rep, *args, **params)
             raise missing(mesh, params)
-        first, in_vary, decision, all_axes = decided
+        first, in_vary, decision, all_axes, reg = decided
         args = list(args)
         if decision.inputs is not None:
             for i, (now, target) in enumerate(zip(in_vary, decision.inputs)):
@@ -126,7 +126,13 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
                     args[first + i] = pbroadcast(args[first + i], tuple(sorted(target - now)))
         outs = op.prim.bind(*args, **params)
         outs = list(outs) if op.prim.multiple_results else [outs]
-        return outs, out_reps(decision, all_axes, len(outs))
+        reps = out_reps(decision, all_axes, len(outs))
+        if _modes.verifying():
+            _verify.insert_checks(
+                reg, outs, [all_axes - r for r in reps], mesh.axis_names,
+                lambda x, axes: pbroadcast(x, axes),
+            )
+        return outs, reps
 
     patches.setitem(sm._check_rules, op.prim, check_rule)
     patches.setitem(sm._rewrite_rules, op.prim, rewrite_rule)

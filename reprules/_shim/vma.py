@@ -27,10 +27,10 @@ from typing import Any
 
 import jax
 
-from reprules import _errors
+from reprules import _errors, _modes
 from reprules._decide import decide
 from reprules._registry import Registration
-from reprules._shim import _common
+from reprules._shim import _common, _verify
 from reprules.rules import RuleContext
 
 NAME = "vma"
@@ -96,6 +96,10 @@ def cast_up(x: Any, axes: frozenset[str]) -> Any:
 
     # core.pvary is what jax.lax.pvary (0.6 - 0.9) and pcast(to="varying") use.
     return core.pvary(x, tuple(a for a in manual_axes() if a in axes))
+
+
+def cast_up_tuple(x: Any, axes: tuple[str, ...]) -> Any:
+    return cast_up(x, frozenset(axes))
 
 
 def psum(x: Any, axes: frozenset[str]) -> Any:
@@ -171,7 +175,14 @@ class Regime:
         ]
         args = jax.tree_util.tree_unflatten(in_tree, flat_args)
         with _common.tracing(reg):
-            return make_call(jax.tree_util.tree_unflatten(out_tree, new_out))(*args)
+            out = make_call(jax.tree_util.tree_unflatten(out_tree, new_out))(*args)
+        self._maybe_verify(reg, jax.tree_util.tree_leaves(out))
+        return out
+
+    def _maybe_verify(self, reg: Registration, outs: Sequence[Any]) -> None:
+        if _modes.verifying():
+            varying = [self.field.varying(jax.typeof(o)) for o in outs]
+            _verify.insert_checks(reg, outs, varying, manual_axes(), cast_up_tuple)
 
     def _annotate(self, sds: Any, varying: frozenset[str]) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(
@@ -291,10 +302,35 @@ class Regime:
                         cast_up(a, target - now) if target - now else a
                         for a, now, target in zip(args[first:], in_vary, decision.inputs)
                     )
+                out = original_bind(*args, **params)
+                self._maybe_verify(reg, list(out) if prim.multiple_results else [out])
+                return out
             return original_bind(*args, **params)
 
         patches.setattr(prim, "abstract_eval", abstract_eval)
         patches.setattr(prim, "bind", bind)
+
+    def install_strict(self, patches: _common.Patches) -> None:
+        """Strict mode: after each primitive is staged, refuse outputs that JAX
+        typed replicated over axes its inputs vary over, unless the primitive
+        has a rule or is one of JAX's collectives or higher-order primitives."""
+        from jax._src.interpreters import partial_eval as pe
+
+        original = pe.DynamicJaxprTrace.default_process_primitive
+        field = self.field
+
+        def default_process_primitive(trace: Any, primitive: Any, tracers: Any, params: Any, *rest: Any, **kw: Any) -> Any:
+            out = original(trace, primitive, tracers, params, *rest, **kw)
+            if _modes.strict_on() and checking() and not _exempt(primitive, params):
+                in_vary = frozenset().union(*(field.varying(getattr(t, "aval", None)) for t in tracers))
+                outs = out if primitive.multiple_results else [out]
+                for index, o in enumerate(outs):
+                    missing = in_vary - field.varying(getattr(o, "aval", None))
+                    if missing and hasattr(getattr(o, "aval", None), "shape"):
+                        raise _errors.StrictModeError(_strict_message(primitive, params, index, in_vary, missing))
+            return out
+
+        patches.setattr(pe.DynamicJaxprTrace, "default_process_primitive", default_process_primitive)
 
     def install(self, patches: _common.Patches) -> None:
         from jax._src import custom_derivatives
@@ -317,6 +353,71 @@ class Regime:
             self.attach(ffi, patches)
 
 
+_COLLECTIVE_PARAMS = ("axes", "axis_name", "axis_index_groups")
+
+
+def _exempt(primitive: Any, params: dict[str, Any]) -> bool:
+    """JAX's collectives and higher-order primitives type their outputs
+    themselves; registered opaque primitives are typed by their rules."""
+    if any(k in params for k in _COLLECTIVE_PARAMS):
+        return True
+    opaque = _describe(primitive)
+    if opaque is None:  # pjit, shard_map, custom_vjp, scan, cond, ...: typed from their jaxprs
+        return True
+    return opaque.lookup(params) is not None
+
+
+def _describe(primitive: Any) -> _common.Opaque | None:
+    import sys
+
+    from jax._src import core
+
+    if primitive is _common.pallas_call_p():
+        return _common.Opaque(primitive, "Pallas kernel", _common.registration_of,
+                              _common.kernel_name_from_params, lambda p, n: (0, None))
+    ffi = _common.ffi_opaque()
+    if ffi is not None and primitive is ffi.prim:
+        return ffi
+    if "jax_triton" in sys.modules:
+        triton = _common.triton_opaque()
+        if primitive is triton.prim:
+            return triton
+    if _has_subjaxpr(primitive, core):
+        return None
+    return _common.primitive_opaque(primitive)
+
+
+def _has_subjaxpr(primitive: Any, core: Any) -> bool:
+    # Recognised by name, since params are only known per equation.
+    return primitive.name in {
+        "pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
+        "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin", "scan", "cond", "while",
+        "shard_map", "xla_call", "xla_pmap", "run_state", "for", "custom_transpose_call",
+        "linear_call", "pure_callback", "io_callback", "debug_callback",
+    }
+
+
+def _strict_message(primitive: Any, params: dict[str, Any], index: int, in_vary: frozenset[str], missing: frozenset[str]) -> str:
+    opaque = _describe(primitive)
+    kind = opaque.kind if opaque else "primitive"
+    name = opaque.name(params) if opaque else primitive.name
+    if kind == "FFI target":
+        fix = f"reprules.replication_rule(rules.same())(reprules.ffi_target({name!r}))"
+    elif kind == "primitive":
+        fix = f"reprules.replication_rule(rules.same())(<the {name!r} primitive>)"
+    else:
+        fix = f"reprules.replication_rule(rules.same())({name})"
+    return (
+        f"Strict mode: the {kind} {name!r} has inputs varying over {_errors.fmt_axes(in_vary)}, "
+        f"but JAX typed its output {index} as replicated over {_errors.fmt_axes(missing)} "
+        f"(mesh axes {_errors.fmt_axes(manual_axes())}, JAX {_common.JAX_VERSION}).\n"
+        "Why: it has no replication rule, and its abstract eval drops the varying axes; JAX "
+        "would then accept out_specs that need replication and return one device's shard.\n"
+        f"Fix: give it a rule, e.g. `{fix}`."
+    )
+
+
 _regime = Regime(TypeField())
 install = _regime.install
 attach = _regime.attach
+install_strict = _regime.install_strict

@@ -1,0 +1,101 @@
+"""Opt-in safety modes: verify (catch lying rules) and strict (no silent typing).
+
+Both are read when a function is *traced*; switching one drops JAX's cached
+traces so the next call is traced again in the new mode. Both are free when off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+VERIFY_ENV = "REPRULES_VERIFY"
+STRICT_ENV = "REPRULES_STRICT"
+
+_lock = threading.Lock()
+_verify_depth = 0
+_strict_depth = 0
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def verifying() -> bool:
+    return _verify_depth > 0 or _env_on(VERIFY_ENV)
+
+
+def strict_on() -> bool:
+    return _strict_depth > 0 or _env_on(STRICT_ENV)
+
+
+def _retrace() -> None:
+    import jax
+
+    jax.clear_caches()
+
+
+@contextlib.contextmanager
+def verify() -> Iterator[None]:
+    """Checks at run time that outputs declared replicated really are.
+
+    Inside this context (or for a whole run with ``REPRULES_VERIFY=1``), every
+    output that a rule declares replicated over a mesh axis is compared across
+    that axis when the step runs; a difference raises
+    :class:`reprules.ReplicationMismatchError` naming the kernel, the rule, the
+    axis and the largest difference, when the context exits (checks run on the
+    devices; the context waits for them with ``jax.effects_barrier()``). With
+    the environment variable, reprules' pytest plugin fails the test instead. It costs a ``pmax``/``pmin`` pair per output
+    and axis, so use it in tests, not in production. Works under ``jit``,
+    ``grad`` and ``shard_map``.
+
+    Example:
+        ```python
+        with reprules.verify():
+            jax.jit(step)(params, batch)
+        ```
+    """
+    from reprules._shim import _verify
+
+    global _verify_depth
+    _verify.take_mismatches()  # forget anything found before this context
+    with _lock:
+        _verify_depth += 1
+    _retrace()
+    try:
+        yield
+    finally:
+        with _lock:
+            _verify_depth -= 1
+        _retrace()
+    _verify.raise_if_mismatched()  # only when the body itself did not raise
+
+
+@contextlib.contextmanager
+def strict() -> Iterator[None]:
+    """Refuses opaque primitives that JAX would silently type as replicated.
+
+    From JAX 0.6, an opaque primitive without a rule (``ffi_call`` from 0.8.2,
+    jax-triton's ``triton_call``, a user primitive whose abstract eval drops the
+    varying axes) gets outputs typed *replicated* even when its inputs vary:
+    ``out_specs=P()`` is then accepted and returns one device's shard. Inside this
+    context (or with ``REPRULES_STRICT=1``), such a call raises
+    :class:`reprules.StrictModeError` while tracing. JAX <= 0.5 already refuses
+    primitives without a rule, so there this mode changes nothing.
+    """
+    from reprules import _shim
+
+    global _strict_depth
+    with _lock:
+        _strict_depth += 1
+    _shim.sync_strict()
+    _retrace()
+    try:
+        yield
+    finally:
+        with _lock:
+            _strict_depth -= 1
+        _shim.sync_strict()
+        _retrace()

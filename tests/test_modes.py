@@ -1,0 +1,133 @@
+"""Verify mode catches lying rules at run time; strict mode refuses silent typing."""
+
+import jax
+import pytest
+from jax.core import ShapedArray
+from jax.experimental import pallas as pl
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+from jax.sharding import PartitionSpec as P
+
+import reprules
+from helpers import NEW_SHARD_MAP, make_mesh, max_err, put, randn, shard_map
+from reprules import rules
+
+pytest_plugins = ["pytester"]
+
+
+def copy_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+
+def copy(x):
+    return pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+
+@jax.custom_vjp
+def kernel_copy(x):
+    return copy(x)
+
+
+kernel_copy.defvjp(lambda x: (copy(x), None), lambda _, g: (copy(g),))
+
+
+@pytest.fixture
+def setup():
+    mesh = make_mesh()
+    return mesh, put(randn(0, (8, 128)), mesh, P("data", None))
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad"])
+def test_verify_catches_a_lying_rule(setup, transform):
+    mesh, x = setup
+    reprules.replication_rule(rules.invariant("data"))(copy_kernel)  # a lie: x varies over data
+    f = shard_map(kernel_copy, mesh, P("data", None), P("data", None))
+    step = jax.jit(f) if transform == "jit" else jax.jit(jax.grad(lambda x: f(x).sum()))
+    with pytest.raises(reprules.ReplicationMismatchError, match=r"(?s)output 0 of kernel 'copy_kernel' is declared replicated over mesh axis 'data' by its rule rules\.invariant\('data'\), but it differs across 'data' by up to [0-9.]+.*Fix:"):
+        with reprules.verify():
+            jax.block_until_ready(step(x))
+
+
+def test_verify_passes_honest_rules_and_is_off_by_default(setup):
+    mesh, x = setup
+    reprules.replication_rule(rules.same())(copy_kernel)
+    f = jax.jit(shard_map(kernel_copy, mesh, P("data", None), P("data", None)))
+    text_off = f.lower(x).as_text()
+    with reprules.verify():
+        assert max_err(f(x), x) == 0.0
+        text_on = f.lower(x).as_text()
+    assert "callback" not in text_off and "callback" in text_on  # free when off
+    assert f.lower(x).as_text() == text_off
+
+
+# --- strict mode --------------------------------------------------------------
+silent_p = Primitive("silent_copy")
+silent_p.def_impl(lambda x: x)
+silent_p.def_abstract_eval(lambda a: ShapedArray(a.shape, a.dtype))  # drops the varying axes
+mlir.register_lowering(silent_p, mlir.lower_fun(lambda x: x * 1.0, multiple_results=False))
+
+
+@pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 refuses rule-less primitives by itself")
+def test_strict_refuses_silently_replicated_primitive(setup):
+    mesh, x = setup
+    f = jax.jit(shard_map(silent_p.bind, mesh, P("data", None), P(None, None)))
+    assert f(x).shape == (2, 128)  # the hazard: accepted, one device's shard returned
+    with reprules.strict():
+        with pytest.raises(reprules.StrictModeError, match=r"(?s)Strict mode: the primitive 'silent_copy' has inputs varying over \{'data'\}.*output 0 as replicated over \{'data'\}.*JAX " + jax.__version__ + r".*Fix: give it a rule"):
+            f(x)
+    reprules.replication_rule()(silent_p)
+    with reprules.strict():  # with a rule: typed right, so JAX itself refuses out_specs=P()
+        with pytest.raises(ValueError, match="out_specs"):
+            jax.jit(shard_map(silent_p.bind, mesh, P("data", None), P(None, None)))(x)
+        out = jax.jit(shard_map(silent_p.bind, mesh, P("data", None), P("data", None)))(x)
+        assert max_err(out, x) == 0.0
+
+
+@pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 refuses rule-less primitives by itself")
+def test_strict_leaves_jax_programs_alone(setup):
+    mesh, x = setup
+    w = put(randn(1, (128,)), mesh, P())
+
+    def body(x, w):
+        y = jax.nn.relu(x * w) + jax.lax.psum(x, "data").sum() + jax.lax.axis_index("data")
+        total = jax.lax.psum(y, "data")
+        return jax.lax.cond(y.sum() > 0, lambda: y, lambda: -y), total
+
+    f = shard_map(body, mesh, (P("data", None), P()), (P("data", None), P()))
+    loss = lambda x, w: f(x, w)[0].sum() + f(x, w)[1].sum()  # noqa: E731
+    expected = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    with reprules.strict():
+        assert max_err(jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w), expected) == 0.0
+
+
+def test_verify_environment_variable_fails_the_test_through_the_plugin(pytester):
+    pytester.makepyfile(
+        test_lie="""
+        import sys
+        sys.path.insert(0, %r)
+        import jax
+        from jax.experimental import pallas as pl
+        from jax.sharding import PartitionSpec as P
+        import reprules
+        from reprules import rules
+        from helpers import make_mesh, put, randn, shard_map
+
+        def copy_kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...]
+
+        def test_lie():
+            reprules.replication_rule(rules.invariant("data"))(copy_kernel)
+            mesh = make_mesh()
+            x = put(randn(0, (8, 128)), mesh, P("data", None))
+            body = lambda x: pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+            jax.block_until_ready(jax.jit(shard_map(body, mesh, P("data", None), P("data", None)))(x))
+        """ % str(__import__("pathlib").Path(__file__).parent)
+    )
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("REPRULES_VERIFY", "1")
+    try:
+        result = pytester.runpytest_subprocess("--reprules-cpu-devices", "8")
+    finally:
+        monkeypatch.undo()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*output 0 of kernel 'copy_kernel' is declared replicated over mesh axis 'data'*"])
