@@ -201,13 +201,13 @@ def kernel_name_from_params(params: dict[str, Any]) -> str:
 def install_pallas_hooks(patches: Patches, wrap_call: Callable[..., Any]) -> None:
     """Wraps the ``pallas_call`` entry point and hooks ``pallas_call_p.bind``.
 
-    ``wrap_call(reg, kernel, out_shape, make_call, call)`` returns the function
-    users get back from ``pallas_call(kernel, out_shape, ...)`` for a registered
-    kernel; ``make_call(new_out_shape)`` builds JAX's own for another out_shape.
+    ``wrap_call(kernel, out_shape, make_call, call)`` returns the function users
+    get back from ``pallas_call(kernel, out_shape, ...)``, where ``call`` is
+    JAX's own and ``make_call(new_out_shape)`` builds JAX's own for another
+    out_shape. The kernel's rule is looked up when that function is called, so
+    a rule registered or changed in between is honoured.
     """
     from jax._src.pallas import pallas_call as pallas_call_mod
-
-    from reprules._registry import lookup
 
     prim = pallas_call_p()
     original_bind = type(prim).bind
@@ -224,11 +224,8 @@ def install_pallas_hooks(patches: Patches, wrap_call: Callable[..., Any]) -> Non
     def entry_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def pallas_call(kernel: Any, out_shape: Any, *args: Any, **kwargs: Any) -> Any:
             call = original(kernel, out_shape, *args, **kwargs)
-            reg = lookup(kernel)
-            if reg is None:
-                return wrap_call(None, kernel, out_shape, None, call)
             return wrap_call(
-                reg, kernel, out_shape, lambda new: original(kernel, new, *args, **kwargs), call
+                kernel, out_shape, lambda new: original(kernel, new, *args, **kwargs), call
             )
 
         pallas_call.__wrapped__ = original  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from typing import Any
 
 from reprules import _errors, _modes
 from reprules._decide import decide
-from reprules._registry import Registration
+from reprules._registry import lookup
 from reprules._shim import _common, _verify
 from reprules.rules import RuleContext
 
@@ -147,16 +147,15 @@ def install(patches: _common.Patches) -> None:
 
 
 def _wrap_call(
-    reg: Registration | None,
     kernel: Any,
     out_shape: Any,
-    make_call: Callable[[Any], Callable[..., Any]] | None,
+    make_call: Callable[[Any], Callable[..., Any]],
     call: Callable[..., Any],
 ) -> Callable[..., Any]:
-    if reg is None:
-        return call  # the primitive-level rules report a missing rule themselves
-
     def traced_call(*args: Any) -> Any:
+        reg = lookup(kernel)
+        if reg is None:
+            return call(*args)  # the primitive-level rules report a missing rule themselves
         with _common.tracing(reg):
             return call(*args)
 

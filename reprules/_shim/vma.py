@@ -29,7 +29,7 @@ import jax
 
 from reprules import _errors, _modes
 from reprules._decide import decide
-from reprules._registry import Registration
+from reprules._registry import Registration, kernel_name, lookup
 from reprules._shim import _common, _verify
 from reprules.rules import RuleContext
 
@@ -116,23 +116,25 @@ class Regime:
 
     def wrap_call(
         self,
-        reg: Registration | None,
         kernel: Any,
         out_shape: Any,
-        make_call: Callable[[Any], Callable[..., Any]] | None,
+        make_call: Callable[[Any], Callable[..., Any]],
         call: Callable[..., Any],
     ) -> Callable[..., Any]:
+        return functools.partial(self._call, kernel, out_shape, make_call, call)
+
+    def _call(self, kernel: Any, out_shape: Any, make_call: Callable[[Any], Callable[..., Any]],
+              call: Callable[..., Any], *args: Any) -> Any:
+        reg = lookup(kernel)
         if reg is None:
-            return functools.partial(self._unregistered_call, kernel, call)
-        return functools.partial(self._registered_call, reg, out_shape, make_call, call)
+            return self._unregistered_call(kernel, call, *args)
+        return self._registered_call(reg, out_shape, make_call, call, *args)
 
     def _unregistered_call(self, kernel: Any, call: Callable[..., Any], *args: Any) -> Any:
         try:
             return call(*args)
         except ValueError as err:
             if checking() and "must not be `None`" in str(err):
-                from reprules._registry import kernel_name
-
                 raise _errors.MissingRuleError(
                     _errors.missing_rule_message(
                         kernel_name(kernel), manual_axes(), _common.JAX_VERSION
