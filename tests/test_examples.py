@@ -1,22 +1,149 @@
-"""Every script in examples/ runs on CPU with fake devices and says what it should."""
+"""Every script in examples/ runs on CPU with fake devices and says what it should.
 
+Each example runs in a fresh interpreter (the same one as the tests), sets up
+its own 8 fake CPU devices and exits non-zero when its own check fails; here we
+also check what it printed. ``06_test_with_fixture.py`` is a pytest file and
+is run with pytest. The benchmark gets a smoke run (tiny shapes, two rounds):
+its collective figures are checked, its timings are not.
+"""
+
+import json
+import os
 import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
-EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("[0-9][0-9]_*.py"))
+ROOT = pathlib.Path(__file__).parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
+JAX_VERSION = tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in jax.__version__.split(".")[:3])
+HAS_FFI = JAX_VERSION >= (0, 4, 31)
+
+
+def run(args, timeout=600):
+    env = {**os.environ, "XLA_FLAGS": ""}  # each script provides its own devices
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                            cwd=ROOT, env=env)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def rows(stdout, names):
+    """{name: the tokens after it} for output lines that start with one of ``names``."""
+    found = {}
+    for line in stdout.splitlines():
+        for name in names:
+            if line.startswith(name) and line[len(name):len(name) + 1] in (" ", ""):
+                found[name] = line[len(name):].split()
+    missing = [n for n in names if n not in found]
+    assert not missing, f"no output line for {missing}:\n{stdout}"
+    return found
+
+
+def equinox_importable():
+    """Whether ``import equinox`` works in a plain interpreter (not under this suite's warning filters)."""
+    probe = subprocess.run([sys.executable, "-c", "import equinox"], capture_output=True, cwd=ROOT)
+    return probe.returncode == 0
+
+
+def test_every_example_is_checked():
+    assert {p.name[:2] for p in EXAMPLES} == {"01", "02", "03", "04", "05", "06"}
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_runs(script):
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600,
-        env={**__import__("os").environ, "XLA_FLAGS": ""},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    if script.name.startswith("01_"):
-        rows = {line[:28].strip(): line[28:].split() for line in result.stdout.splitlines()}
-        assert rows["checking off"][:3] == ["1", "1", "1"]
-        assert rows["reprules, checking on"] == ["0", "0", "0", "0.0e+00"]
+    if script.name.startswith("06_"):  # a pytest file: run it as a user would
+        out = run(["-m", "pytest", script, "-q", "-p", "no:cacheprovider", "--reprules-cpu-devices", "8"])
+        assert "3 passed" in out, out
+        return
+    out = run([script])
+    check = CHECKS.get(script.name[:2])
+    assert check is not None, f"{script.name} has no output check in tests/test_examples.py"
+    check(out)
+
+
+def check_01(out):
+    r = rows(out, ["checking off", "reprules, checking on"])
+    assert r["checking off"][:3] == ["1", "1", "1"]
+    assert r["reprules, checking on"] == ["0", "0", "0", "0.0e+00"]
+
+
+def check_02(out):
+    r = rows(out, ["data parallel", "FSDP", "tensor parallel"])
+    for way, tokens in r.items():
+        defensive, grad_err, param_err = tokens[-3:]
+        assert defensive == "0", (way, out)
+        assert float(grad_err) < 1e-4 and float(param_err) < 1e-4, (way, out)
+    assert "9 all-gather" in " ".join(r["FSDP"]), out  # 3 layers x (W, b) forward + W again backward
+    assert "reduce-scatter" in " ".join(r["tensor parallel"]), out
+    assert "OK:" in out
+
+
+def check_03(out):
+    names = ["all-gather", "all-gather, overlapped", "all-gather, bidirectional", "psum_scatter",
+             "psum_scatter, overlapped", "psum_scatter, bidirectional"]
+    r = rows(out, names)
+    ppermutes = {name: int(r[name][-3]) for name in names}
+    assert ppermutes == {"all-gather": 0, "all-gather, overlapped": 7, "all-gather, bidirectional": 14,
+                         "psum_scatter": 0, "psum_scatter, overlapped": 7, "psum_scatter, bidirectional": 14}
+    assert all(float(r[n][-1]) < 1e-3 and r[n][-2] == "0" for n in names), out
+    assert "OK: every variant equals lhs @ rhs" in out
+
+
+def check_04(out):
+    if not equinox_importable():
+        assert out.startswith("SKIPPED: equinox"), out
+        return
+    r = rows(out, ["checking off", "reprules, checking on"])
+    assert int(r["checking off"][2]) > 0, out  # defensive bytes: gradients summed over `model` too
+    on_data, on_both, defensive, error = r["reprules, checking on"]
+    assert int(on_data) > 0 and on_both == "0" and defensive == "0" and float(error) < 1e-4, out
+    assert "trained 3 steps with checking on" in out and "OK:" in out
+
+
+def check_05(out):
+    names = ["user primitive, checking off", "user primitive, rule, checking on"]
+    if HAS_FFI:
+        names += ["FFI kernel, checking off", "FFI kernel, rule, checking on"]
+    else:
+        assert "FFI kernel: SKIPPED (JAX" in out and "ffi_call" in out, out
+    r = rows(out, names)
+    for kernel in ("user primitive", "FFI kernel") if HAS_FFI else ("user primitive",):
+        assert r[f"{kernel}, checking off"][:2] == ["data,model;", "model"], out
+        assert r[f"{kernel}, rule, checking on"][:2] == ["data", "0"], out
+    assert "OK:" in out
+
+
+CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05}
+
+
+def test_benchmark_smoke(tmp_path):
+    """The benchmark runs end to end; its collective figures are right (timings are not checked)."""
+    out_json = tmp_path / "bench.json"
+    out = run([ROOT / "examples" / "benchmarks" / "bench.py", "--small", "--repeats", "2", "--warmup", "1",
+               "--lower-repeats", "1", "--lower-inner", "1", "--import-repeats", "1", "--out", out_json])
+    assert "collectives per step" in out and "targets (reported, not asserted)" in out, out
+    results = json.loads(out_json.read_text())
+    assert results["jax"] == jax.__version__ and results["devices"] == 8
+    work = results["workloads"]
+    assert set(work) == {"activation", "tp_mlp", "layer_norm"}
+    if not HAS_FFI:
+        assert "ffi_call" in work["activation"]["skipped"]
+    for name, w in work.items():
+        if "skipped" in w:
+            continue
+        c = w["collectives"]
+        assert c["reprules"]["defensive_bytes"] == 0, (name, c["reprules"])
+        assert c["reprules"]["needed_bytes"] == w["minimum_needed_bytes"], (name, c["reprules"])
+        assert c["off"]["defensive_bytes"] > 0, (name, c["off"])
+        assert set(w["step_s"]) == set(w["variants"]) and w["step_s"]["off"]["n"] == 2
+        assert "reprules/off" in w["step_ratio"] and "reprules/off" in w["lower_ratio"]
+        if "hand" in w["variants"]:
+            assert c["hand"]["defensive_bytes"] == 0 and "reprules/hand" in w["step_ratio"]
+        else:
+            assert w["unavailable"]["hand"]
+    if JAX_VERSION >= (0, 6) and HAS_FFI:  # the FFI call site can be annotated by hand from 0.6
+        assert "hand" in work["activation"]["variants"], work["activation"]["unavailable"]
+    assert results["import"]["reprules_on_top_of_jax_s"]["n"] == 1
