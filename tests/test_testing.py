@@ -163,3 +163,29 @@ def test_bad_arguments_are_explained(mesh):
         report.count("psum")
     with pytest.raises(ValueError, match="unknown level"):
         report.count(level="mlir")
+
+
+def test_jaxpr_only_dead_all_reduce_is_ignored_by_default():
+    """grad w.r.t. x only: the replicated weight's psum stays in the jaxpr but is
+    never lowered, so it costs nothing and assert_no_all_reduce passes."""
+    import reprules
+    from reprules import testing
+
+    @jax.custom_vjp
+    def mul(x, w):
+        return x * w
+
+    mul.defvjp(lambda x, w: (x * w, (x, w)), lambda r, g: (g * r[1], (g * r[0]).sum(0)))
+
+    def unrelated_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    reprules.replication_rule()(unrelated_kernel)  # activate reprules (custom_vjp cotangents)
+    mesh = make_mesh()
+    x, w = put(randn(0, (16, 32)), mesh, P("data", None)), put(randn(1, (32,)), mesh, P())
+    f = shard_map(mul, mesh, (P("data", None), P()), P("data", None))
+    grad_x = jax.grad(lambda x: f(x, w).sum())
+    report = testing.assert_no_all_reduce(grad_x, x)
+    assert [c.levels for c in report.select("all-reduce")] == [("jaxpr",)]
+    with pytest.raises(testing.CollectivesAssertionError, match="all-reduce"):
+        testing.assert_no_all_reduce(grad_x, x, levels=("jaxpr",))
