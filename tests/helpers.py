@@ -37,37 +37,37 @@ def randn(seed, shape, dtype=jnp.float32):
 
 
 # --- collectives at the three levels ------------------------------------------
-_JAXPR_COLLECTIVE = re.compile(r"\b(psum\w*|all_gather\w*|reduce_scatter|psum_scatter|ppermute|all_to_all)\[")
-_JAXPR_AXES = re.compile(r"axes=\(([^)]*)\)|axis_name=\(?([^),\s]+)")
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of its sub-jaxprs (shard_map, custom_vjp, ...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns"):
+                    yield from _eqns(sub)
 
 
-def jaxpr_collectives(fn, *args):
-    """[(primitive name, axes tuple)] of every collective in the jaxpr, sub-jaxprs included."""
-    text = str(jax.make_jaxpr(fn)(*args))
+def psum_axes(fn, *args):
+    """Sorted axes of every psum (psum, psum2, psum_invariant) in ``fn``'s jaxpr,
+    read from the equations (printed jaxprs split long equations over lines)."""
     found = []
-    for line in text.splitlines():
-        m = _JAXPR_COLLECTIVE.search(line)
-        if not m:
-            continue
-        axes = re.search(r"axes=\(([^)]*)\)", line) or re.search(r"axis_name=\(([^)]*)\)", line)
-        names = tuple(a.strip().strip("'\"") for a in axes.group(1).split(",") if a.strip()) if axes else ()
-        found.append((m.group(1), names))
-    return found
+    for eqn in _eqns(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name.startswith("psum"):
+            axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+            axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+            found.append(tuple(sorted(a for a in axes if isinstance(a, str))))
+    return sorted(found)
 
 
 def count_all_reduce(fn, *args):
     """(jaxpr psums, StableHLO all_reduce, compiled-HLO all-reduce) of ``jax.jit(fn)``."""
-    jaxpr = sum(1 for name, _ in jaxpr_collectives(fn, *args) if name.startswith("psum"))
+    jaxpr = len(psum_axes(fn, *args))
     lowered = jax.jit(fn).lower(*args)
     stablehlo = lowered.as_text().count("stablehlo.all_reduce")
     compiled_text = lowered.compile().as_text()
     compiled = len(re.findall(r"\ball-reduce(?:-start)?\(", compiled_text))
     return jaxpr, stablehlo, compiled
-
-
-def psum_axes(fn, *args):
-    """Sorted list of the axes tuples of every psum in the jaxpr."""
-    return sorted(tuple(sorted(axes)) for name, axes in jaxpr_collectives(fn, *args) if name.startswith("psum"))
 
 
 def max_err(a, b):

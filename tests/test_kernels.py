@@ -185,3 +185,22 @@ def test_invariant_types_outputs_as_replicated():
     # Typed replicated over `data` although y varies over it, so out_specs=P() is accepted.
     out = jax.jit(shard_map(body, mesh, (P(None, None), P("data", None)), P(None, None)))(x, y)
     assert max_err(out, np.ones((8, 128))) == 0.0
+
+
+def test_array_as_out_shape_is_typed_by_the_rule():
+    """JAX's own ops pass an array as out_shape (attention: ``out_shape=[q]``);
+    its type must come from the rule, not be read off the array and dropped."""
+    def double_kernel(x_ref, o_ref):
+        o_ref[...] = 2.0 * x_ref[...]
+
+    reprules.replication_rule()(double_kernel)
+    mesh = make_mesh()
+    x = put(randn(0, (8, 128)), mesh, P("data", None))
+
+    def body(x):
+        return pl.pallas_call(double_kernel, out_shape=x, interpret=True)(x)
+
+    out = jax.jit(shard_map(body, mesh, P("data", None), P("data", None)))(x)
+    assert max_err(out, 2.0 * np.asarray(x)) == 0.0
+    with pytest.raises(ValueError, match="out_specs"):
+        jax.jit(shard_map(body, mesh, P("data", None), P(None, None)))(x)

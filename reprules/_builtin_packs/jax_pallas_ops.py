@@ -4,6 +4,17 @@ Each function is an entry point of the ``reprules.rules`` group, named after
 the op module it covers, and is called with that module right after it is
 imported. It registers rules on the op's kernel functions as they are, with no
 copy or edit of JAX's code. Kernels an installed JAX does not have are skipped.
+
+Every kernel covered here computes each block of its outputs from blocks of
+its inputs on one device and never communicates, so its outputs vary over the
+union of what its inputs vary over: ``rules.same()``. Inputs the kernel reads
+whole on every device (a replicated weight, a page pool, a mask table, a
+replicated key/value head shared by sharded query heads) are cast up to that
+union, which is free in the forward pass; the backward pass then psums their
+gradients over exactly the axes they were cast over (or, for ops with a
+``custom_vjp``, the cotangent is psummed over the axes it varies over and its
+primal does not). Kernels nested inside an op's Python function cannot be
+registered from outside and are not covered; see the README.
 """
 
 from __future__ import annotations
@@ -35,3 +46,100 @@ def layer_norm(module: ModuleType) -> None:
         "layer_norm_backward_kernel_dx",
         "layer_norm_backward_kernel_dw_db",
     )
+
+
+def rms_norm(module: ModuleType) -> None:
+    """``ops.gpu.rms_norm`` (0.4.31+) and ``ops.rms_norm`` (0.4.28-0.4.30).
+
+    As :func:`layer_norm`: per-row forward and dx kernels; the dw/db kernel
+    sums over the local rows (psummed over the batch axes by the custom_vjp
+    cotangent handling).
+    """
+    _register(
+        module,
+        rules.same(),
+        "rms_norm_forward_kernel",
+        "rms_norm_backward_kernel_dx",
+        "rms_norm_backward_kernel_dw_db",
+    )
+
+
+def softmax(module: ModuleType) -> None:
+    """``ops.gpu.softmax`` (0.4.31+) and ``ops.softmax`` (0.4.28-0.4.30): one row per program."""
+    _register(module, rules.same(), "_vmappable_softmax_kernel")
+
+
+def attention(module: ModuleType) -> None:
+    """``ops.gpu.attention`` (0.4.31+) and ``ops.attention`` (0.4.28-0.4.30): ``mha``.
+
+    Forward, backward-preprocess (delta) and backward (dq, dk, dv) kernels work
+    per (batch, head) on local blocks; with batch or heads sharded every input
+    and output varies alike.
+    """
+    _register(
+        module,
+        rules.same(),
+        "mha_forward_kernel",
+        "_preprocess_backward_kernel",
+        "mha_backward_kernel",
+    )
+
+
+def decode_attention(module: ModuleType) -> None:
+    """``ops.gpu.decode_attention`` (0.5+): ``mqa`` and ``gqa`` (one kernel, vmapped over batch).
+
+    The kernel returns per-split partial outputs and softmax statistics that
+    the op combines in plain JAX, all per batch element.
+    """
+    _register(module, rules.same(), "attn_forward_kernel")
+
+
+def paged_attention_gpu(module: ModuleType) -> None:
+    """``ops.gpu.paged_attention`` (0.5+).
+
+    The page pool (``k_pages``/``v_pages``) is read whole on each device and
+    the block tables and lengths are per sequence: the output varies like the
+    union (the sharded batch), and a replicated pool is cast up for free.
+    """
+    _register(module, rules.same(), "paged_attention_kernel")
+
+
+def splash_attention(module: ModuleType) -> None:
+    """``ops.tpu.splash_attention.splash_attention_kernel`` (kernels present from 0.4.28).
+
+    Forward, dq and dkv (fused backward) kernels. The mask tables (scalar
+    prefetch and partial mask blocks) are replicated constants; with MQA the
+    shared k/v are replicated while query heads are sharded, so dk/dv vary
+    over the head axes and are psummed over exactly those axes.
+    """
+    _register(
+        module,
+        rules.same(),
+        "flash_attention_kernel",
+        "_flash_attention_dq_kernel",
+        "_flash_attention_dkv_kernel",
+    )
+
+
+def flash_attention_tpu(module: ModuleType) -> None:
+    """``ops.tpu.flash_attention`` (kernels present from 0.4.28).
+
+    Forward (o, l, m), dkv and dq (dq, d_bias) kernels, per (batch, head) block.
+    """
+    _register(
+        module,
+        rules.same(),
+        "_flash_attention_kernel",
+        "_flash_attention_dkv_kernel",
+        "_flash_attention_dq_kernel",
+    )
+
+
+def matmul_tpu(module: ModuleType) -> None:
+    """``ops.tpu.matmul`` (0.5+): each output tile from a row block of x and a column block of y."""
+    _register(module, rules.same(), "matmul_kernel")
+
+
+def example_kernel_tpu(module: ModuleType) -> None:
+    """``ops.tpu.example_kernel``: elementwise ``double``."""
+    _register(module, rules.same(), "double_kernel")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from reprules._shim import vma
 
 NAME = "mat"
@@ -27,7 +29,7 @@ class TypeField(vma.TypeField):
         return frozenset(mat.varying) if mat is not None else frozenset()
 
     def annotated(self, sds: Any) -> bool:
-        return getattr(sds, "manual_axis_type", None) is not None
+        return isinstance(sds, jax.ShapeDtypeStruct) and getattr(sds, "manual_axis_type", None) is not None
 
     def sds_value(self, varying: frozenset[str]) -> Any:
         from jax._src import core

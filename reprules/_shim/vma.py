@@ -48,7 +48,9 @@ class TypeField:
         return frozenset(getattr(aval, "vma", frozenset()))
 
     def annotated(self, sds: Any) -> bool:
-        return getattr(sds, "vma", None) is not None
+        # Only a ShapeDtypeStruct carries a user's annotation: an array given as
+        # out_shape forwards .vma to its own type, which pallas_call ignores.
+        return isinstance(sds, jax.ShapeDtypeStruct) and getattr(sds, "vma", None) is not None
 
     def sds_value(self, varying: frozenset[str]) -> Any:
         return frozenset(varying)
@@ -187,11 +189,14 @@ class Regime:
             _verify.insert_checks(reg, outs, varying, manual_axes(), cast_up_tuple)
 
     def _annotate(self, sds: Any, varying: frozenset[str]) -> jax.ShapeDtypeStruct:
+        # Any leaf with .shape and .dtype (a ShapeDtypeStruct, or an array as JAX's
+        # own ops pass) becomes a ShapeDtypeStruct typed by the rule.
+        is_sds = isinstance(sds, jax.ShapeDtypeStruct)
         return jax.ShapeDtypeStruct(
             sds.shape,
             sds.dtype,
-            sharding=getattr(sds, "sharding", None),
-            weak_type=getattr(sds, "weak_type", False),
+            sharding=sds.sharding if is_sds else None,
+            weak_type=sds.weak_type if is_sds else False,
             **{self.field.sds_keyword: self.field.sds_value(varying)},
         )
 
