@@ -37,8 +37,30 @@ def setup():
     return mesh, put(randn(0, (8, 128)), mesh, P("data", None))
 
 
+LIES = {
+    "invariant-data-jit": (rules.invariant("data"), P("data", None), P("data", None), "jit"),
+    "invariant-data-grad": (rules.invariant("data"), P("data", None), P("data", None), "grad"),
+    "invariant-model": (rules.invariant("model"), P("data", "model"), P("data", None), "jit"),
+    "custom-always-replicated": (lambda ctx, v: [frozenset()], P("data", None), P(None, None), "jit"),
+    "invariant-both": (rules.invariant("data", "model"), P("data", "model"), P(None, None), "jit"),
+}
+
+
+@pytest.mark.parametrize("lie", LIES)
+def test_verify_catches_lying_rules(setup, lie):
+    mesh, _ = setup
+    rule, in_spec, out_spec, transform = LIES[lie]
+    x = put(randn(0, (8, 128)), mesh, in_spec)
+    reprules.replication_rule(rule)(copy_kernel)
+    f = shard_map(kernel_copy, mesh, in_spec, out_spec)
+    step = jax.jit(f) if transform == "jit" else jax.jit(jax.grad(lambda x: f(x).sum()))
+    with pytest.raises(reprules.ReplicationMismatchError, match=r"(?s)output 0 of kernel 'copy_kernel' is declared replicated over mesh axis '(data|model)'.*differs across.*by up to [0-9.]+"):
+        with reprules.verify():
+            jax.block_until_ready(step(x))
+
+
 @pytest.mark.parametrize("transform", ["jit", "grad"])
-def test_verify_catches_a_lying_rule(setup, transform):
+def test_verify_message_names_kernel_rule_axis_and_difference(setup, transform):
     mesh, x = setup
     reprules.replication_rule(rules.invariant("data"))(copy_kernel)  # a lie: x varies over data
     f = shard_map(kernel_copy, mesh, P("data", None), P("data", None))
