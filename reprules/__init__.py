@@ -105,11 +105,21 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
     """
     from reprules import _packs, _registry, _shim
 
+    if isinstance(rule, type):
+        raise RegistrationError(
+            f"replication_rule was given the class {rule.__qualname__}, not a rule.\n"
+            "Why: a rule is an instance (rules.same() holds its settings) or a function.\n"
+            f"Fix: write replication_rule(rules.{rule.__qualname__}()) with parentheses."
+        )
     chosen: rules.RuleLike = rules.same() if rule is None else rule
 
     def register(kernel: K) -> K:
         if not isinstance(kernel, functools.partial):
             _shim.classify(kernel)  # not a kernel, or unsupported here: raise before registering
+        with _shim.lock:  # registry and JAX patches change together
+            return _register(kernel)
+
+    def _register(kernel: K) -> K:
         before = _registry.lookup(kernel)
         pack = _packs.current_pack()
         source = f"pack {pack}" if pack else _caller()
@@ -167,6 +177,12 @@ def ffi_target(name: str) -> FfiTarget:
         reprules.replication_rule(rules.same())(reprules.ffi_target("my_scale_add"))
         ```
     """
+    if not isinstance(name, str) or not name:
+        raise RegistrationError(
+            f"ffi_target needs the target's name as a non-empty string, got {name!r}.\n"
+            "Why: rules for FFI targets are matched by the name jax.ffi.ffi_call is called with.\n"
+            "Fix: pass the same string as to jax.ffi.ffi_call / register_ffi_target."
+        )
     return FfiTarget(name)
 
 
@@ -177,11 +193,12 @@ def unregister(kernel: Callable[..., object]) -> bool:
     """
     from reprules import _registry, _shim
 
-    removed = _registry.unregister(kernel)
-    if _registry.is_empty():
-        _shim.deactivate()
-    elif removed and _shim.active() and _shim.classify(kernel) == "primitive":
-        _shim.detach(kernel)
+    with _shim.lock:  # registry and JAX patches change together
+        removed = _registry.unregister(kernel)
+        if _registry.is_empty():
+            _shim.deactivate()
+        elif removed and _shim.active() and _shim.classify(kernel) == "primitive":
+            _shim.detach(kernel)
     if removed:
         _forget_traces()
     return removed

@@ -163,10 +163,6 @@ def test_concurrent_register_and_unregister_keep_the_registry_consistent():
     assert _shim.active()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "race: unregister() of the last kernel checks that the registry is empty, then undoes every patch; "
-    "a register() in another thread in between finds JAX already patched, so its kernel ends registered "
-    "with JAX unpatched (the check and the undo are not atomic with register's activate)"))
 def test_unregistering_the_last_kernel_while_another_thread_registers(monkeypatch):
     """The interleaving made deterministic: ``deactivate`` is held until the
     other thread's registration returned (at most 2 s)."""

@@ -28,6 +28,7 @@ SUPPORTED = ((0, 4, 28), (0, 13))
 SUPPORTED_TEXT = ">=0.4.28,<0.13"
 
 _lock = threading.RLock()
+lock = _lock  # held by the façade across registry changes and (de)activation
 _regime: ModuleType | None = None
 _patches: _common.Patches | None = None
 _attached: dict[object, _common.Patches] = {}  # per hooked primitive
@@ -112,11 +113,15 @@ def classify(target: object) -> str:
                 "Fix: pip install 'reprules[triton]' (jax-triton needs a GPU-enabled jaxlib)."
             ) from err
         return "triton"
-    if callable(target) and not isinstance(target, type):
+    import jax
+
+    wrapped = callable(target) and (isinstance(target, (jax.custom_vjp, jax.custom_jvp)) or hasattr(target, "lower"))
+    if callable(target) and not isinstance(target, type) and not wrapped:
         return "pallas"
     raise RegistrationError(
         f"Cannot register a replication rule on {target!r} ({type(target).__name__}): it is not "
-        "a kernel function, a primitive, an FFI target or a Triton kernel.\n"
+        "a kernel function, a primitive, an FFI target or a Triton kernel"
+        f"{' (a jax.jit / custom_vjp / custom_jvp wrapper)' if wrapped else ''}.\n"
         "Why: a rule describes the outputs of one opaque kernel.\n"
         "Fix: register the function passed to pl.pallas_call, a jax.extend.core.Primitive, "
         "reprules.ffi_target(name), or the Triton kernel passed to jax_triton.triton_call."
