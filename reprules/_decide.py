@@ -22,6 +22,7 @@ def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ..
     except Exception as err:
         raise RuleError(
             f"The replication rule of {where} raised {type(err).__name__}: {err}\n"
+            "Why: reprules calls the rule while JAX traces the kernel call; its exception stops the trace.\n"
             "Fix: make the rule return a Decision (or one set of axis names per output) "
             "for these inputs."
         ) from err
@@ -34,6 +35,7 @@ def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ..
         raise RuleError(
             f"The replication rule of {where} returned {answer!r} of type "
             f"{type(answer).__name__}.\n"
+            "Why: JAX needs one set of mesh axes per output to type the kernel's outputs.\n"
             "Fix: return a reprules.rules.Decision, or a list with one set of axis names "
             "per output."
         )
@@ -42,6 +44,7 @@ def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ..
         raise RuleError(
             f"The replication rule of {where} returned {len(outputs)} output varying sets, "
             f"but the kernel has {ctx.num_outputs} outputs.\n"
+            "Why: each output needs exactly one varying set.\n"
             "Fix: return one set per (flattened) output."
         )
     if inputs is not None:
@@ -50,6 +53,7 @@ def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ..
             raise RuleError(
                 f"The replication rule of {where} returned {len(inputs)} input casts, but the "
                 f"kernel has {len(in_varying)} inputs.\n"
+                "Why: each input is cast up to its own set before the call.\n"
                 "Fix: return one set per (flattened) input, or inputs=None."
             )
         for i, (now, target) in enumerate(zip(in_varying, inputs)):
@@ -67,6 +71,7 @@ def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ..
             raise RuleError(
                 f"The replication rule of {where} names axes {sorted(unknown)} that are not "
                 "manual axes of the enclosing shard_map.\n"
+                "Why: a value can only vary over the manual axes of the shard_map it lives in.\n"
                 "Fix: name only axes of the shard_map's mesh in the rule."
             )
     return Decision(outputs=outputs, inputs=inputs)
@@ -77,11 +82,12 @@ def _as_set(value: object, where: str, what: str) -> VaryingSet:
         raise RuleError(
             f"The replication rule of {where} returned {value!r} for an {what}; expected a "
             "set of mesh axis names.\n"
+            "Why: a string is a sequence of letters, not of axis names.\n"
             "Fix: return e.g. frozenset({'data'}) (frozenset() for replicated)."
         )
     if not all(isinstance(a, str) for a in value):
         raise RuleError(
             f"The replication rule of {where} returned {value!r} for an {what}; axis names "
-            "must be strings.\nFix: use the mesh's axis names."
+            "must be strings.\nWhy: JAX names mesh axes by strings.\nFix: use the mesh's axis names."
         )
     return frozenset(value)

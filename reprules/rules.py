@@ -100,6 +100,7 @@ def _check_axes(rule: object, axes: tuple[str, ...], ctx: RuleContext) -> None:
             f"Rule {rule} of kernel {ctx.kernel_name!r} names mesh axes {unknown} that are "
             f"not manual axes of the enclosing shard_map (axes {fmt_axes(ctx.mesh_axes)}, "
             f"JAX {ctx.jax_version}).\n"
+            "Why: a value can only vary over the manual axes of the shard_map it lives in.\n"
             "Fix: name only axes of the shard_map's mesh in the rule."
         )
 
@@ -141,6 +142,7 @@ class like:
                 f"Rule {self} of kernel {ctx.kernel_name!r} refers to input {self.index}, but the "
                 f"kernel was called with {len(in_varying)} inputs (mesh axes "
                 f"{fmt_axes(ctx.mesh_axes)}, JAX {ctx.jax_version}).\n"
+                "Why: like(i) copies the varying axes of input i, which this call does not have.\n"
                 "Fix: use the index of an input of this call."
             )
         target = in_varying[self.index]

@@ -98,7 +98,8 @@ def classify(target: object) -> str:
         if _common.ffi_call_p() is None:
             raise UnsupportedJaxError(
                 f"Cannot apply a rule to FFI target {target.name!r}: JAX {JAX_VERSION} has no "
-                "ffi_call (added in JAX 0.4.31).\nFix: upgrade JAX to 0.4.31 or newer."
+                "ffi_call (added in JAX 0.4.31).\nWhy: the rule would never be applied, and "
+                "reprules does not fall back silently.\nFix: upgrade JAX to 0.4.31 or newer."
             )
         return "ffi"
     if isinstance(target, core.Primitive):
@@ -110,6 +111,7 @@ def classify(target: object) -> str:
             raise RegistrationError(
                 f"Cannot apply a rule to the Triton kernel {target!r}: jax-triton is not "
                 f"importable with JAX {JAX_VERSION} ({err}).\n"
+                "Why: the rule is attached to jax-triton's triton_kernel_call primitive.\n"
                 "Fix: pip install 'reprules[triton]' (jax-triton needs a GPU-enabled jaxlib)."
             ) from err
         return "triton"
