@@ -124,6 +124,45 @@ class Opaque:
     layout: Callable[[dict[str, Any], int], tuple[int, int | None]]
 
 
+def rule_context(reg: Registration, mesh_axes: tuple[str, ...], num_inputs: int, num_outputs: int) -> Any:
+    """The RuleContext of one call of ``reg``'s kernel."""
+    from reprules.rules import RuleContext
+
+    return RuleContext(
+        kernel_name=reg.name,
+        kernel=reg.kernel(),
+        mesh_axes=tuple(mesh_axes),
+        num_inputs=num_inputs,
+        num_outputs=num_outputs,
+        jax_version=JAX_VERSION,
+    )
+
+
+def _pallas_layout(params: dict[str, Any], num_operands: int) -> tuple[int, int]:
+    """(first user operand, number of outputs) of a ``pallas_call_p`` equation.
+
+    Kernel constants and dynamic grid bounds come first; the user's arrays last.
+    """
+    if "in_shapes" in params:  # 0.4.28 - 0.4.3x
+        num_user, num_out = len(params["in_shapes"]), len(params["out_shapes"])
+    else:  # 0.4.3x+
+        gm = params["grid_mapping"]
+        num_user = gm.num_index_operands + gm.num_inputs
+        num_out = len(params["out_avals"]) if "out_avals" in params else gm.num_outputs
+    return num_operands - num_user, num_out
+
+
+def pallas_opaque() -> Opaque:
+    """``pallas_call``: the rule belongs to the kernel recorded for the equation's jaxpr."""
+    return Opaque(
+        prim=pallas_call_p(),
+        kind="Pallas kernel",
+        lookup=registration_of,
+        name=kernel_name_from_params,
+        layout=_pallas_layout,
+    )
+
+
 def primitive_opaque(prim: Any) -> Opaque:
     """A user primitive: the rule belongs to the primitive object itself."""
     from reprules._registry import lookup

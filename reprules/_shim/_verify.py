@@ -21,7 +21,8 @@ from reprules._registry import Registration
 from reprules._shim import _common
 
 _lock = threading.Lock()
-mismatches: list[str] = []  # every mismatch seen, for tests and post-mortems
+# The largest difference seen per (kernel, output, axis) since the last take.
+_largest: dict[tuple[str, int, str], tuple[float, str]] = {}
 
 
 def insert_checks(
@@ -67,10 +68,6 @@ def _report(kernel: str, rule: str, index: int, axis: str, spread: Any) -> None:
         key = (kernel, index, axis)
         if key not in _largest or largest > _largest[key][0]:
             _largest[key] = (largest, message)
-        mismatches.append(message)
-
-
-_largest: dict[tuple[str, int, str], tuple[float, str]] = {}
 
 
 def take_mismatches() -> list[str]:

@@ -18,7 +18,6 @@ from reprules import _errors, _modes
 from reprules._decide import decide
 from reprules._registry import lookup
 from reprules._shim import _common, _verify
-from reprules.rules import RuleContext
 
 NAME = "rep"
 VERSIONS = "0.4.28 - 0.5.x"
@@ -32,30 +31,6 @@ def detect() -> bool:
     except ImportError:
         return False
     return hasattr(sm, "_check_rules") and hasattr(sm, "_rewrite_rules")
-
-
-def _pallas_layout(params: dict[str, Any], num_operands: int) -> tuple[int, int]:
-    """(first user operand, number of outputs) of a ``pallas_call_p`` equation.
-
-    Kernel constants and dynamic grid bounds come first; the user's arrays last.
-    """
-    if "in_shapes" in params:  # 0.4.28 - 0.4.3x
-        num_user, num_out = len(params["in_shapes"]), len(params["out_shapes"])
-    else:  # 0.4.3x - 0.5.x
-        gm = params["grid_mapping"]
-        num_user = gm.num_index_operands + gm.num_inputs
-        num_out = len(params["out_avals"]) if "out_avals" in params else gm.num_outputs
-    return num_operands - num_user, num_out
-
-
-def pallas_opaque() -> _common.Opaque:
-    return _common.Opaque(
-        prim=_common.pallas_call_p(),
-        kind="Pallas kernel",
-        lookup=_common.registration_of,
-        name=_common.kernel_name_from_params,
-        layout=_pallas_layout,
-    )
 
 
 def attach(op: _common.Opaque, patches: _common.Patches) -> None:
@@ -75,14 +50,8 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
         first, num_out = op.layout(params, len(in_rep))
         # A rep of None marks a literal: replicated everywhere.
         in_vary = tuple(all_axes - r if r is not None else frozenset() for r in in_rep[first:])
-        ctx = RuleContext(
-            kernel_name=reg.name,
-            kernel=reg.kernel(),
-            mesh_axes=tuple(mesh.axis_names),
-            num_inputs=len(in_vary),
-            num_outputs=1 if num_out is None else num_out,  # None: a multiple-results primitive
-            jax_version=_common.JAX_VERSION,
-        )
+        # num_out None: a multiple-results primitive, whose count is unknown here.
+        ctx = _common.rule_context(reg, mesh.axis_names, len(in_vary), 1 if num_out is None else num_out)
         return first, in_vary, decide(reg, ctx, in_vary), all_axes, reg
 
     def missing(mesh: Any, params: dict[str, Any]) -> _errors.MissingRuleError:
@@ -139,7 +108,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
 
 
 def install(patches: _common.Patches) -> None:
-    attach(pallas_opaque(), patches)
+    attach(_common.pallas_opaque(), patches)
     ffi = _common.ffi_opaque()
     if ffi is not None:
         attach(ffi, patches)

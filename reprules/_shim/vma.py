@@ -104,6 +104,14 @@ def cast_up_tuple(x: Any, axes: tuple[str, ...]) -> Any:
     return cast_up(x, frozenset(axes))
 
 
+def _cast_inputs(args: Sequence[Any], now: Sequence[frozenset[str]],
+                 targets: Sequence[frozenset[str]] | None) -> list[Any]:
+    """Casts each input up to its target set (None: inputs pass as they are)."""
+    if targets is None:
+        return list(args)
+    return [cast_up(a, t - n) if t - n else a for a, n, t in zip(args, now, targets)]
+
+
 def psum(x: Any, axes: frozenset[str]) -> Any:
     return jax.lax.psum(x, tuple(a for a in manual_axes() if a in axes))
 
@@ -159,20 +167,9 @@ class Regime:
             out_shape = tuple(out_shape)
         flat_out, out_tree = jax.tree_util.tree_flatten(out_shape)
         in_vary = tuple(self.field.varying(jax.typeof(a)) for a in flat_args)
-        ctx = RuleContext(
-            kernel_name=reg.name,
-            kernel=reg.kernel(),
-            mesh_axes=manual_axes(),
-            num_inputs=len(flat_args),
-            num_outputs=len(flat_out),
-            jax_version=_common.JAX_VERSION,
-        )
+        ctx = _common.rule_context(reg, manual_axes(), len(flat_args), len(flat_out))
         decision = decide(reg, ctx, in_vary)
-        if decision.inputs is not None:
-            flat_args = [
-                cast_up(a, target - now) if target - now else a
-                for a, now, target in zip(flat_args, in_vary, decision.inputs)
-            ]
+        flat_args = _cast_inputs(flat_args, in_vary, decision.inputs)
         new_out = [
             s if self.field.annotated(s) else self._annotate(s, vary)
             for s, vary in zip(flat_out, decision.outputs)
@@ -277,14 +274,7 @@ class Regime:
         original_bind = prim.bind  # may already be another reprules hook
 
         def context(reg: Registration, num_inputs: int, num_outputs: int) -> RuleContext:
-            return RuleContext(
-                kernel_name=reg.name,
-                kernel=reg.kernel(),
-                mesh_axes=manual_axes(),
-                num_inputs=num_inputs,
-                num_outputs=num_outputs,
-                jax_version=_common.JAX_VERSION,
-            )
+            return _common.rule_context(reg, manual_axes(), num_inputs, num_outputs)
 
         def abstract_eval(*avals: Any, **params: Any) -> Any:
             out, effects = original_abstract_eval(*avals, **params)
@@ -304,11 +294,7 @@ class Regime:
                 first, num_out = op.layout(params, len(args))
                 in_vary = tuple(field.varying(jax.typeof(a)) for a in args[first:])
                 decision = decide(reg, context(reg, len(in_vary), num_out or 1), in_vary)
-                if decision.inputs is not None:
-                    args = args[:first] + tuple(
-                        cast_up(a, target - now) if target - now else a
-                        for a, now, target in zip(args[first:], in_vary, decision.inputs)
-                    )
+                args = args[:first] + tuple(_cast_inputs(args[first:], in_vary, decision.inputs))
                 out = original_bind(*args, **params)
                 self._maybe_verify(reg, list(out) if prim.multiple_results else [out])
                 return out
@@ -377,11 +363,8 @@ def _exempt(primitive: Any, params: dict[str, Any]) -> bool:
 def _describe(primitive: Any) -> _common.Opaque | None:
     import sys
 
-    from jax._src import core
-
     if primitive is _common.pallas_call_p():
-        return _common.Opaque(primitive, "Pallas kernel", _common.registration_of,
-                              _common.kernel_name_from_params, lambda p, n: (0, None))
+        return _common.pallas_opaque()
     ffi = _common.ffi_opaque()
     if ffi is not None and primitive is ffi.prim:
         return ffi
@@ -389,12 +372,12 @@ def _describe(primitive: Any) -> _common.Opaque | None:
         triton = _common.triton_opaque()
         if primitive is triton.prim:
             return triton
-    if _has_subjaxpr(primitive, core):
+    if _has_subjaxpr(primitive):
         return None
     return _common.primitive_opaque(primitive)
 
 
-def _has_subjaxpr(primitive: Any, core: Any) -> bool:
+def _has_subjaxpr(primitive: Any) -> bool:
     # Recognised by name, since params are only known per equation.
     return primitive.name in {
         "pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
