@@ -1,7 +1,8 @@
 """Test matrix and main job, each in its own virtual environment.
 
-    python -m pip install --quiet nox uv && python -m nox            # tests, whole JAX matrix
+    python -m pip install --quiet nox uv && python -m nox            # tests, whole JAX matrix, and typecheck
     python -m nox -s "tests(jax='0.12.0.1')"                          # tests, one JAX version
+    python -m nox -s typecheck                                        # mypy --strict, newest JAX
     python -m pip install --quiet nox uv && python -m nox -s main    # the main job
 """
 
@@ -10,10 +11,13 @@ import nox
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["tests", "typecheck"]
 
-# At least one version per regime: rep (<=0.5), vma (0.6-0.9), mat (>=0.10).
-JAX_MATRIX = ["0.4.28", "0.5.3", "0.6.2", "0.8.3", "0.10.2", "0.12.0.1"]
+# Every minor release in the supported range (its newest patch), plus the oldest
+# supported one; regimes: rep (<=0.5), vma (0.6-0.9), mat (>=0.10).
+JAX_MATRIX = [
+    "0.4.28", "0.4.38", "0.5.3", "0.6.2", "0.7.2", "0.8.3", "0.9.2", "0.10.2", "0.11.2", "0.12.0.1",
+]
 
 
 @nox.session(python="3.12")
@@ -24,6 +28,13 @@ def tests(session: nox.Session, jax: str) -> None:
     extras = "test,triton" if tuple(map(int, jax.split(".")[:2])) >= (0, 11) else "test"
     session.install(f"jax=={jax}", f"jaxlib=={jax}", "-e", f".[{extras}]")
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session(python="3.12")
+def typecheck(session: nox.Session) -> None:
+    """``mypy --strict`` on the package and on a user's view of it, against the newest JAX."""
+    session.install(f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", "mypy>=1.10", "-e", ".[test]")
+    session.run("mypy", "--strict", "reprules", "tests/typing/usage.py", *session.posargs)
 
 
 @nox.session(python="3.12")

@@ -10,9 +10,9 @@ Run (8 fake CPU devices are set up by the script itself):
     python examples/01_issue21855.py
 """
 
-import os
+from reprules import testing
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+testing.fake_cpu_devices(8)  # first thing: 8 fake CPU devices, before JAX starts
 
 import re  # noqa: E402
 
@@ -41,14 +41,6 @@ def kernel_copy(x):
 kernel_copy.defvjp(lambda x: (copy(x), None), lambda _, g: (copy(g),))
 
 
-def shard_map(f, mesh, in_specs, out_specs, check):
-    if hasattr(jax, "shard_map"):  # JAX >= 0.6
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
-    from jax.experimental.shard_map import shard_map as old_shard_map  # JAX <= 0.5
-
-    return old_shard_map(f, mesh, in_specs, out_specs, check_rep=check)
-
-
 def all_reduces(grad_fn, x):
     """psums in the jaxpr, all_reduce ops in StableHLO, all-reduces in compiled HLO."""
     jaxpr = len(re.findall(r"\bpsum\w*\[", str(jax.make_jaxpr(grad_fn)(x))))
@@ -73,7 +65,7 @@ def main():
     for label, check in (("checking off", False), ("reprules, checking on", True)):
         if check:
             reprules.replication_rule()(copy_kernel)  # the whole fix
-        sharded = shard_map(kernel_copy, mesh, P("data", None), P("data", None), check=check)
+        sharded = testing.shard_map(kernel_copy, mesh, P("data", None), P("data", None), check=check)
         grad_fn = jax.grad(lambda x: (sharded(x) * weights).sum())
         counts = all_reduces(grad_fn, x)
         error = float(np.max(np.abs(np.asarray(jax.jit(grad_fn)(x)) - reference)))

@@ -23,9 +23,9 @@ Run (8 fake CPU devices are set up by the script itself):
     python examples/02_mlp_three_ways.py
 """
 
-import os
+from reprules import testing
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+testing.fake_cpu_devices(8)  # first thing: 8 fake CPU devices, before JAX starts
 
 import sys  # noqa: E402
 from functools import partial  # noqa: E402
@@ -38,7 +38,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import reprules  # noqa: E402
-from reprules import testing  # noqa: E402
 
 # --- the Pallas matmul: forward and backward kernels, each with a rule --------------
 
@@ -79,18 +78,6 @@ def _matmul_bwd(res, g):
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
-
-# --- shard_map on every JAX ------------------------------------------------------------
-
-
-def shard_map(f, mesh, in_specs, out_specs):
-    """``shard_map`` with checking on."""
-    if hasattr(jax, "shard_map"):  # JAX >= 0.6
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
-    from jax.experimental.shard_map import shard_map as old_shard_map  # JAX <= 0.5
-
-    return old_shard_map(f, mesh, in_specs, out_specs, check_rep=True)
-
 
 # --- the tutorial's model --------------------------------------------------------------
 
@@ -134,7 +121,7 @@ def make_dp(mesh):
         inputs, targets = batch
         return jax.lax.pmean(mse(predict(params, inputs), targets), "batch")
 
-    loss = shard_map(local_loss, mesh, in_specs=(P(), P("batch")), out_specs=P())
+    loss = testing.shard_map(local_loss, mesh, in_specs=(P(), P("batch")), out_specs=P())
     return loss, (P(), P("batch"))
 
 
@@ -153,7 +140,7 @@ def make_fsdp(mesh):
         inputs, targets = batch
         return jax.lax.pmean(mse(predict_fsdp(params_frag, inputs), targets), "batch")
 
-    loss = shard_map(local_loss, mesh, in_specs=(P("batch"), P("batch")), out_specs=P())
+    loss = testing.shard_map(local_loss, mesh, in_specs=(P("batch"), P("batch")), out_specs=P())
     return loss, (P("batch"), P("batch"))
 
 
@@ -163,8 +150,8 @@ def make_tp(mesh):
         block_result = matmul(inputs, w)
         return jax.lax.psum_scatter(block_result, "feats", scatter_dimension=1, tiled=True) + b
 
-    gemm = shard_map(gemm_tp, mesh, in_specs=(P(None, "feats"), P("feats", None), P("feats")),
-                     out_specs=P(None, "feats"))
+    gemm = testing.shard_map(gemm_tp, mesh, in_specs=(P(None, "feats"), P("feats", None), P("feats")),
+                             out_specs=P(None, "feats"))
 
     def loss(params, batch):
         inputs, targets = batch

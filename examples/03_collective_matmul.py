@@ -20,9 +20,9 @@ Run (8 fake CPU devices are set up by the script itself):
     python examples/03_collective_matmul.py
 """
 
-import os
+from reprules import testing
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+testing.fake_cpu_devices(8)  # first thing: 8 fake CPU devices, before JAX starts
 
 import sys  # noqa: E402
 from functools import partial  # noqa: E402
@@ -36,7 +36,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import reprules  # noqa: E402
-from reprules import testing  # noqa: E402
 
 SIZE = 8  # devices on mesh axis `i`
 M, K, N = 64, 128, 32  # lhs: (M, K), rhs: (K, N)
@@ -51,15 +50,6 @@ def mm(a, b):
     """``a @ b`` by the Pallas kernel: every local matmul below."""
     out_shape = jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), jnp.float32)
     return pl.pallas_call(matmul_kernel, out_shape=out_shape, interpret=True)(a, b)
-
-
-def shard_map(f, mesh, in_specs, out_specs):
-    """``shard_map`` with checking on."""
-    if hasattr(jax, "shard_map"):  # JAX >= 0.6
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
-    from jax.experimental.shard_map import shard_map as old_shard_map  # JAX <= 0.5
-
-    return old_shard_map(f, mesh, in_specs, out_specs, check_rep=True)
 
 
 shift_up = partial(lax.ppermute, axis_name="i", perm=[(j, (j + 1) % SIZE) for j in range(SIZE)])
@@ -160,7 +150,7 @@ def main():
     failed = []
     for name, body, lhs_spec, want in VARIANTS:
         lhs = jax.device_put(lhs_host, NamedSharding(mesh, lhs_spec))
-        f = jax.jit(shard_map(body, mesh, in_specs=(lhs_spec, P("i", None)), out_specs=P("i", None)))
+        f = jax.jit(testing.shard_map(body, mesh, in_specs=(lhs_spec, P("i", None)), out_specs=P("i", None)))
         error = float(np.max(np.abs(np.asarray(f(lhs, rhs), np.float64) - expected)))
         report = testing.collectives(f, lhs, rhs)
         got = tuple(report.count(kind, level="jaxpr") for kind in ("all-gather", "reduce-scatter",

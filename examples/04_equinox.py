@@ -21,9 +21,9 @@ Run (8 fake CPU devices are set up by the script itself; ``pip install equinox``
     python examples/04_equinox.py
 """
 
-import os
+from reprules import testing
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+testing.fake_cpu_devices(8)  # first thing: 8 fake CPU devices, before JAX starts
 
 import sys  # noqa: E402
 
@@ -35,7 +35,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import reprules  # noqa: E402
-from reprules import testing  # noqa: E402
 
 try:
     import equinox as eqx
@@ -113,14 +112,6 @@ class MLP(eqx.Module):
         return self.layers[-1](x)
 
 
-def shard_map(f, mesh, in_specs, out_specs, check):
-    if hasattr(jax, "shard_map"):  # JAX >= 0.6
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
-    from jax.experimental.shard_map import shard_map as old_shard_map  # JAX <= 0.5
-
-    return old_shard_map(f, mesh, in_specs, out_specs, check_rep=check)
-
-
 def make_loss(mesh, static, check):
     """The loss of the whole batch: each device's shard under shard_map, then pmean."""
 
@@ -128,7 +119,7 @@ def make_loss(mesh, static, check):
         model = eqx.combine(params, static)
         return jax.lax.pmean(jnp.mean((model(x) - y) ** 2), "data")
 
-    sharded = shard_map(local_loss, mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check=check)
+    sharded = testing.shard_map(local_loss, mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check=check)
 
     def loss(model, x, y):
         params, _ = eqx.partition(model, eqx.is_array)

@@ -22,14 +22,13 @@ Run (8 fake CPU devices are set up by the script itself):
     python examples/05_primitive_and_ffi.py
 """
 
-import os
+from reprules import testing
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+testing.fake_cpu_devices(8)  # first thing: 8 fake CPU devices, before JAX starts
 
 import sys  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.core import ShapedArray  # noqa: E402
 from jax.extend.core import Primitive  # noqa: E402
@@ -38,7 +37,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import reprules  # noqa: E402
-from reprules import rules, testing  # noqa: E402
+from reprules import rules  # noqa: E402
 from reprules import _cpu_kernels as cpu_kernels  # noqa: E402  (reprules' own C++ FFI kernels)
 
 # --- 1. user primitives ------------------------------------------------------------------
@@ -95,14 +94,6 @@ if FFI_SKIPPED is None:
 # --- the check -------------------------------------------------------------------------------
 
 
-def shard_map(f, mesh, in_specs, out_specs, check):
-    if hasattr(jax, "shard_map"):  # JAX >= 0.6
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
-    from jax.experimental.shard_map import shard_map as old_shard_map  # JAX <= 0.5
-
-    return old_shard_map(f, mesh, in_specs, out_specs, check_rep=check)
-
-
 def main():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     rng = np.random.RandomState(0)
@@ -121,7 +112,7 @@ def main():
     failed = []
     for name, layer in layers:
         for label, check in (("checking off", False), ("rule, checking on", True)):
-            f = shard_map(layer, mesh, (P("data", None), P()), P("data", None), check)
+            f = testing.shard_map(layer, mesh, (P("data", None), P()), P("data", None), check)
             grad_fn = jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1))  # noqa: B023
             report = testing.collectives(grad_fn, x, w)
             error = max(float(np.max(np.abs(np.asarray(g) - r))) for g, r in zip(jax.jit(grad_fn)(x, w), reference))

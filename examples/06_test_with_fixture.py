@@ -36,6 +36,7 @@ def _setup():
     from jax.sharding import PartitionSpec as P
 
     import reprules
+    from reprules.testing import shard_map  # check_vma= from JAX 0.6, check_rep= before
 
     @reprules.replication_rule()  # outputs vary like the union of the inputs
     def scale_kernel(x_ref, w_ref, o_ref):
@@ -49,13 +50,6 @@ def _setup():
         return scale(x, w)
 
     layer.defvjp(lambda x, w: (scale(x, w), (x, w)), lambda res, g: (scale(g, res[1]), (g * res[0]).sum(0)))
-
-    def shard_map(f, mesh, in_specs, out_specs, check):
-        if hasattr(jax, "shard_map"):  # JAX >= 0.6
-            return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
-        from jax.experimental.shard_map import shard_map as old_shard_map  # JAX <= 0.5
-
-        return old_shard_map(f, mesh, in_specs, out_specs, check_rep=check)
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     rng = np.random.RandomState(0)

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-from collections.abc import Callable
-from typing import TypeVar, overload
+from typing import TYPE_CHECKING
 
 from reprules import rules as rules
+from reprules._errors import CotangentError as CotangentError
 from reprules._errors import MissingRuleError as MissingRuleError
+from reprules._errors import PatchWarning as PatchWarning
 from reprules._errors import RegistrationError as RegistrationError
 from reprules._errors import ReplicationMismatchError as ReplicationMismatchError
 from reprules._errors import ReprulesError as ReprulesError
@@ -38,6 +39,17 @@ from reprules._packs import PackStatus as PackStatus
 from reprules._packs import PackWarning as PackWarning
 from reprules._packs import packs as packs
 from reprules._registry import Registration as Registration
+from reprules._targets import KernelLike as KernelLike
+from reprules._targets import RuleDecorator as RuleDecorator
+from reprules._targets import TritonKernel as TritonKernel
+from reprules.rules import RuleLike as RuleLike
+from reprules.rules import RuleResult as RuleResult
+from reprules.rules import VaryingSet as VaryingSet
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from reprules._targets import K
 
 try:
     __version__ = importlib.metadata.version("reprules")
@@ -45,17 +57,25 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "CotangentError",
     "FfiTarget",
+    "KernelLike",
     "MissingRuleError",
     "PackStatus",
     "PackWarning",
+    "PatchWarning",
     "Registration",
     "RegistrationError",
     "ReplicationMismatchError",
     "ReprulesError",
+    "RuleDecorator",
     "RuleError",
+    "RuleLike",
+    "RuleResult",
     "StrictModeError",
+    "TritonKernel",
     "UnsupportedJaxError",
+    "VaryingSet",
     "ffi_target",
     "jax_support",
     "packs",
@@ -67,20 +87,15 @@ __all__ = [
     "verify",
 ]
 
-K = TypeVar("K", bound=Callable[..., object])
-
-
-@overload
-def replication_rule(rule: None = None, *, override: bool = False) -> Callable[[K], K]: ...
-@overload
-def replication_rule(rule: rules.RuleLike, *, override: bool = False) -> Callable[[K], K]: ...
-def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = False) -> Callable[[K], K]:
+def replication_rule(rule: RuleLike | None = None, *, override: bool = False) -> RuleDecorator:
     """Declares how a kernel's outputs vary over the mesh axes.
 
     Decorate the kernel function passed to ``pl.pallas_call`` (or apply the
     result to a kernel you cannot edit). Calls of that kernel, also through
     ``functools.partial`` or with ``name=``, then work inside ``shard_map``
-    with checking on, with no change at the call site.
+    with checking on, with no change at the call site. The same decorator
+    takes a ``jax.extend.core.Primitive``, ``reprules.ffi_target(name)`` or a
+    jax-triton kernel (see :data:`KernelLike`).
 
     Args:
       rule: One of :mod:`reprules.rules` or any :class:`reprules.rules.Rule`
@@ -88,7 +103,8 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
       override: Replace a different rule already registered for this kernel.
 
     Returns:
-      A decorator that registers the rule and returns the kernel unchanged.
+      A decorator that registers the rule and returns the kernel unchanged
+      (typed as given).
 
     Raises:
       RegistrationError: the kernel already has a different rule and
@@ -100,7 +116,7 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
         @replication_rule(rules.invariant("model"))  # the kernel all-reduces over "model"
         def allreduce_kernel(x_ref, o_ref): ...
 
-        replication_rule()(layer_norm._layer_norm_forward_kernel)  # someone else's kernel
+        replication_rule()(layer_norm.layer_norm_forward_kernel)  # someone else's kernel
         ```
     """
     from reprules import _packs, _registry, _shim
@@ -111,7 +127,7 @@ def replication_rule(rule: rules.RuleLike | None = None, *, override: bool = Fal
             "Why: a rule is an instance (rules.same() holds its settings) or a function.\n"
             f"Fix: write replication_rule(rules.{rule.__qualname__}()) with parentheses."
         )
-    chosen: rules.RuleLike = rules.same() if rule is None else rule
+    chosen: RuleLike = rules.same() if rule is None else rule
 
     def register(kernel: K) -> K:
         if not isinstance(kernel, functools.partial):
@@ -149,7 +165,7 @@ def _caller() -> str:
     """``file:line`` of the first frame outside reprules (who registered)."""
     import sys
 
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     package_dir = __file__.rsplit("/", 1)[0]
     while frame is not None and frame.f_code.co_filename.startswith(package_dir):
         frame = frame.f_back
@@ -186,7 +202,7 @@ def ffi_target(name: str) -> FfiTarget:
     return FfiTarget(name)
 
 
-def unregister(kernel: Callable[..., object]) -> bool:
+def unregister(kernel: KernelLike) -> bool:
     """Removes the rule of ``kernel`` (for tests); returns whether it had one.
 
     When the last rule is removed, every JAX patch is undone.
@@ -216,7 +232,14 @@ def _forget_traces() -> None:
 
 
 def registered() -> dict[str, Registration]:
-    """Every registered kernel, keyed by ``module.qualname``, with its rule."""
+    """Every registered kernel, keyed by ``module.qualname``, with its rule.
+
+    Distinct kernels sharing a ``module.qualname`` (two kernels made by one
+    factory, two primitives of one name) get one entry each: the first
+    registered keeps the plain key, the others get ``#2``, ``#3``... in
+    registration order (so a key can change when an earlier namesake is
+    unregistered). ``Registration.where`` is always the plain name.
+    """
     from reprules import _registry
 
     return _registry.registered()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -72,22 +71,18 @@ def _provide_devices(n: int, *, default_run: bool) -> None:
     """Sets XLA_FLAGS for ``n`` CPU devices, or checks a started backend has them."""
     if n < 1:
         raise _UsageError(f"--devices must be at least 1, got {n}.")
-    if "jax" in sys.modules:
-        from reprules._shim._inspect import backends_started
+    from reprules import _environment
 
-        if backends_started():
-            import jax
+    if _environment.backend_started():
+        import jax
 
-            if default_run and jax.device_count() < n:
-                raise _UsageError(
-                    f"JAX already started with {jax.device_count()} devices; the audit needs {n}.\n"
-                    "Why: the number of fake CPU devices is fixed when JAX's backend starts.\n"
-                    "Fix: run `reprules audit` in a fresh process (python -m reprules audit).")
-            return
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    if default_run:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if default_run and jax.device_count() < n:
+            raise _UsageError(
+                f"JAX already started with {jax.device_count()} devices; the audit needs {n}.\n"
+                "Why: the number of fake CPU devices is fixed when JAX's backend starts.\n"
+                "Fix: run `reprules audit` in a fresh process (python -m reprules audit).")
+        return
+    _environment.request_cpu_devices(n, cpu_only=default_run)
 
 
 class _Progress:
@@ -188,7 +183,7 @@ def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
         if on is not None:
             rep = on["report"]
             strict_findings += [f"{e['name']}: {c.describe()}" for c in rep.defensive]
-            strict_findings += [f"{e['name']}: kernel {k.name} has no rule" for k in rep.kernels_without_rule]
+            strict_findings += [f"{e['name']}: kernel {k.name} {_no_rule_text(k)}" for k in rep.kernels_without_rule]
 
     if args.json:
         doc = {
@@ -209,6 +204,10 @@ def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
         print("reprules audit --strict: " + "; ".join(strict_findings), file=sys.stderr)
         return 1
     return 0
+
+
+def _no_rule_text(kernel: Any) -> str:
+    return "has no rule" if kernel.identified else f"was not identified ({kernel.status()})"
 
 
 def _fmt_collectives(report: Any, defensive: bool) -> str:
@@ -293,13 +292,16 @@ def _audit_target(args: argparse.Namespace, progress: _Progress) -> int:
     if args.json:
         doc = {"target": args.target, "name": target.name, "jax": jax.__version__,
                "report": report.to_dict(), "max_error": result["max_error"],
-               "strict_findings": [c.describe() for c in findings] + [f"kernel {k.name} has no rule" for k in missing]}
+               "strict_findings": [c.describe() for c in findings]
+               + [f"kernel {k.name} {_no_rule_text(k)}" for k in missing]}
         print(json.dumps(doc, indent=2))
     else:
         print(_render_target(target.name, report, result["max_error"]))
     if args.strict and (findings or missing):
+        unknown = sum(1 for k in missing if not k.identified)
         print(f"reprules audit --strict: {len(findings)} defensive collectives, "
-              f"{len(missing)} kernels without a rule", file=sys.stderr)
+              f"{len(missing)} kernels without a rule" + (f" ({unknown} not identified)" if unknown else ""),
+              file=sys.stderr)
         return 1
     return 0
 
@@ -309,8 +311,7 @@ def _render_target(name: str, report: Any, error: float | None) -> str:
     if report.kernels:
         lines.append("opaque kernels under shard_map:")
         for k in report.kernels:
-            status = f"rule {k.rule}" if k.has_rule else "NO RULE"
-            lines.append(f"  {k.name} ({k.primitive} x{k.count}) at {k.source or '?'}: {status}")
+            lines.append(f"  {k.name} ({k.primitive} x{k.count}) at {k.source or '?'}: {k.status()}")
     else:
         lines.append("opaque kernels under shard_map: none")
     d = report.defensive

@@ -54,7 +54,8 @@ _KIND_OF_PRIMITIVE = {
 _SUMS = ("psum", "psum2", "psum_invariant")
 _ADDS_AXES = ("pvary", "pbroadcast", "pcast", "ppermute", "all_to_all", "ragged_all_to_all",
               "reduce_scatter", "psum_scatter", "pshuffle")
-_OPAQUE = ("pallas_call", "ffi_call", "custom_call", "triton_kernel_call", "tpu_custom_call")
+_OPAQUE = ("pallas_call", "ffi_call", "custom_call", "triton_kernel_call", "tpu_custom_call",
+           "core_map", "mpmd_map")  # the last two: pl.kernel (0.8 - 0.9, 0.10+) and pl.core_map
 
 # --- records -------------------------------------------------------------------
 
@@ -66,11 +67,20 @@ class Kernel:
     Attributes:
       name: The kernel's name (the kernel function's ``__name__`` for Pallas).
       primitive: The JAX primitive (``pallas_call``, ``ffi_call``...).
-      source: ``file:line`` of the kernel definition or call, if known.
-      has_rule: Whether a reprules replication rule is registered for it.
+      source: ``file:line`` of the kernel definition (on JAX 0.4.28, of its
+        first traced line) or of the call, if known.
+      has_rule: Whether a reprules replication rule is registered for it,
+        found by identity (the kernel object, the FFI target, the primitive)
+        as the checking finds it, never by a name another kernel shares.
       rule: The rule's ``repr``, or ``""``.
       checked: Whether its ``shard_map`` runs with checking on.
       count: How many calls of it the program has.
+      identified: False when reprules did not see this kernel's call (traced
+        before its rule was registered, or through a ``pallas_call`` made
+        before reprules activated) and a registered kernel could be it:
+        ``has_rule`` is then False, as no rule was found, but the kernel may
+        be one of ``candidates``.
+      candidates: ``module.qualname`` of the registered kernels it could be.
     """
 
     name: str
@@ -80,6 +90,17 @@ class Kernel:
     rule: str
     checked: bool | None
     count: int = 1
+    identified: bool = True
+    candidates: tuple[str, ...] = ()
+
+    def status(self) -> str:
+        """``rule rules.same()``, ``NO RULE`` or ``NOT IDENTIFIED (...)``."""
+        if self.has_rule:
+            return f"rule {self.rule}"
+        if self.identified:
+            return "NO RULE"
+        return (f"NOT IDENTIFIED (reprules did not see this call; it may be {', '.join(self.candidates)}, "
+                "which has a rule: trace it after registering)")
 
     def decorator(self) -> str:
         """The line that gives this kernel a rule."""
@@ -265,8 +286,7 @@ class Report:
         if any(c.folded for c in self.collectives):
             lines.append("  (J S H = jaxpr, StableHLO, compiled HLO; '.' under H: folded away by XLA)")
         for k in self.kernels:
-            rule = f"rule {k.rule}" if k.has_rule else "NO RULE"
-            lines.append(f"  kernel {k.name} ({k.primitive} x{k.count}): {rule}; {_short(k.source)}")
+            lines.append(f"  kernel {k.name} ({k.primitive} x{k.count}): {k.status()}; {_short(k.source)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -468,9 +488,9 @@ def _is_library_file(path: str) -> bool:
     return base in ("contextlib.py", "functools.py", "threading.py") or path.startswith("<")
 
 
-def _kernel_info(eqn: Any) -> tuple[str, str, bool, str]:
-    """(name, source, has_rule, rule repr) of an opaque kernel equation."""
-    from reprules import _registry
+def _kernel_info(eqn: Any) -> tuple[str, str, Any]:
+    """(name, source, shim Identity) of an opaque kernel equation."""
+    from reprules._shim._common import identify
 
     params = eqn.params
     name, source = "", ""
@@ -489,25 +509,21 @@ def _kernel_info(eqn: Any) -> tuple[str, str, bool, str]:
     name = name or str(params.get("name") or params.get("target_name") or eqn.primitive.name)
     if eqn.primitive.name == "ffi_call" and params.get("target_name"):
         name = str(params["target_name"])
-    reg = None
-    if "jaxpr" in params:
-        try:
-            from reprules._shim._common import registration_of
+    found = identify(eqn.primitive, params)
+    if eqn.primitive.name in ("core_map", "mpmd_map"):  # pl.kernel: named by its body
+        from reprules._shim.core_map import kernel_name
 
-            reg = registration_of(params)
-        except Exception:  # pragma: no cover - shim unavailable
-            reg = None
-    if reg is None:
-        reg = next((r for r in _registry.registered().values() if r.name == name), None)
-    if not source:
-        source = _user_source(eqn.source_info)
-    return name, source, reg is not None, repr(reg.rule) if reg is not None else ""
+        name, source = kernel_name(params), "" if "helpers.py" in source else source
+    source = source or found.site or _user_source(eqn.source_info)
+    return name, source, found
 
 
 def walk_jaxpr(closed_jaxpr: Any) -> _Walk:
     """Finds every collective and opaque kernel in a (closed) jaxpr, recursively."""
     state = _Walk()
     jaxpr = _as_jaxpr(closed_jaxpr)
+    if jaxpr is None:
+        raise TypeError(f"walk_jaxpr needs a jaxpr or closed jaxpr, got {type(closed_jaxpr).__name__}")
     _walk(jaxpr, [_UNKNOWN] * len(jaxpr.invars), _Ctx(), state)
     return state
 
@@ -593,7 +609,7 @@ def _walk_subs(eqn: Any, name: str, subs: list[tuple[str, Any]], ins: list[froze
         nc, ncarry = p.get("num_consts", 0), p.get("num_carry", 0)
         consts, carry, xs = ins[:nc], list(ins[nc:nc + ncarry]), ins[nc + ncarry:]
         body = subs[0][1]
-        got: list[frozenset[str]] = []
+        got = []
         for _ in range(3):
             got = _walk(body, list(consts) + carry + list(xs), ctx, _Walk())
             new = [a | b for a, b in zip(carry, got[:ncarry])]
@@ -604,12 +620,12 @@ def _walk_subs(eqn: Any, name: str, subs: list[tuple[str, Any]], ins: list[froze
         return carry + list(got[ncarry:])
     # pjit, closed_call, remat, custom_jvp_call, custom_vjp_call, ...: the first
     # sub-jaxpr whose arity fits is the function itself.
-    result: list[frozenset[str]] | None = None
+    function_out: list[frozenset[str]] | None = None
     for _, j in subs:
         got = _walk(j, _fit(ins, len(j.invars), union), ctx, state)
-        if result is None and len(j.invars) == len(ins) and len(got) == n_out:
-            result = got
-    return result if result is not None else [union] * n_out
+        if function_out is None and len(j.invars) == len(ins) and len(got) == n_out:
+            function_out = got
+    return function_out if function_out is not None else [union] * n_out
 
 
 def _fit(sets: Sequence[frozenset[str]], n: int, union: frozenset[str]) -> list[frozenset[str]]:
@@ -681,9 +697,11 @@ def _record_collective(eqn: Any, name: str, axes: tuple[str, ...], ins: list[fro
 def _record_kernel(eqn: Any, ctx: _Ctx, state: _Walk) -> None:
     if ctx.shard_map_id is None:
         return
-    name, source, has_rule, rule = _kernel_info(eqn)
-    kernel = Kernel(name=name, primitive=eqn.primitive.name, source=source, has_rule=has_rule,
-                    rule=rule, checked=ctx.checked)
+    name, source, found = _kernel_info(eqn)
+    reg = found.registration
+    kernel = Kernel(name=name, primitive=eqn.primitive.name, source=source, has_rule=reg is not None,
+                    rule=repr(reg.rule) if reg is not None else "", checked=ctx.checked,
+                    identified=found.identified, candidates=found.candidates)
     state.kernels.append((kernel, ctx.shard_map_id))
 
 
@@ -736,6 +754,7 @@ def build_report(function: str, jax_version: str, walk: _Walk, stablehlo: Sequen
             origin=jc.origin, primitive=jc.primitive, op_name=jc.op_name, source=jc.source,
             is_async=False, checked=jc.checked, kernels_without_rule=missing, lines=[]))
 
+    entry: dict[str, Any] | None
     for level, found in (("stablehlo", stablehlo), ("hlo", hlo)):
         for tc in found:
             axes = _text_axes(tc, mesh)
@@ -777,9 +796,10 @@ def build_report(function: str, jax_version: str, walk: _Walk, stablehlo: Sequen
         Collective(**{**e, "levels": tuple(lv for lv in LEVELS if lv in e["levels"]), "lines": tuple(e["lines"]),
                       "axes": None if e["axes"] is None else tuple(e["axes"])})
         for e in entries)
-    merged: dict[tuple[str, str], Kernel] = {}
+    # Same-named kernels stay apart: merged only with the same site and status.
+    merged: dict[tuple[Any, ...], Kernel] = {}
     for k, _ in walk.kernels:
-        key = (k.name, k.primitive)
+        key = (k.name, k.primitive, k.source, k.has_rule, k.rule, k.identified, k.candidates)
         if key in merged:
             merged[key] = dataclasses.replace(merged[key], count=merged[key].count + 1)
         else:
@@ -838,9 +858,9 @@ def _function_name(fn: Callable[..., Any]) -> str:
 def _stablehlo_text(lowered: Any) -> str:
     try:
         module = lowered.compiler_ir("stablehlo")
-        return module.operation.get_asm(enable_debug_info=True, large_elements_limit=16)
+        return str(module.operation.get_asm(enable_debug_info=True, large_elements_limit=16))
     except Exception:  # older/newer MLIR bindings: fall back to the plain text
-        return lowered.as_text()
+        return str(lowered.as_text())
 
 
 def collectives(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: Any) -> Report:
@@ -856,7 +876,7 @@ def collectives(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: 
     lowered = jax.jit(call).lower(*args)
     shlo = _hlo.parse_stablehlo(_stablehlo_text(lowered))
     compiled = lowered.compile()
-    hlo = _hlo.parse_hlo(compiled.as_text())
+    hlo = _hlo.parse_hlo(compiled.as_text() or "")  # typed Optional by JAX; always text on CPU
     mesh_shape = None
     if mesh is not None:
         mesh_shape = dict(mesh.shape)

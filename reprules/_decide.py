@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 
 from reprules._errors import RuleError, fmt_axes
 from reprules._registry import Registration
@@ -27,10 +27,12 @@ def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ..
             "for these inputs."
         ) from err
 
+    raw_outputs: Sequence[object]
+    raw_inputs: Sequence[object] | None
     if isinstance(answer, Decision):
-        outputs, inputs = answer.outputs, answer.inputs
+        raw_outputs, raw_inputs = answer.outputs, answer.inputs
     elif isinstance(answer, (list, tuple)):
-        outputs, inputs = answer, None
+        raw_outputs, raw_inputs = answer, None
     else:
         raise RuleError(
             f"The replication rule of {where} returned {answer!r} of type "
@@ -39,7 +41,7 @@ def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ..
             "Fix: return a reprules.rules.Decision, or a list with one set of axis names "
             "per output."
         )
-    outputs = tuple(_as_set(o, where, "output") for o in outputs)
+    outputs = tuple(_as_set(o, where, "output") for o in raw_outputs)
     if len(outputs) != ctx.num_outputs:
         raise RuleError(
             f"The replication rule of {where} returned {len(outputs)} output varying sets, "
@@ -47,8 +49,8 @@ def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ..
             "Why: each output needs exactly one varying set.\n"
             "Fix: return one set per (flattened) output."
         )
+    inputs = None if raw_inputs is None else tuple(_as_set(i, where, "input") for i in raw_inputs)
     if inputs is not None:
-        inputs = tuple(_as_set(i, where, "input") for i in inputs)
         if len(inputs) != len(in_varying):
             raise RuleError(
                 f"The replication rule of {where} returned {len(inputs)} input casts, but the "

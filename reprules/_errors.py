@@ -30,6 +30,11 @@ class MissingRuleError(ReprulesError, NotImplementedError, ValueError):
     """
 
 
+class CotangentError(ReprulesError, ValueError):
+    """A ``custom_vjp`` that involves a registered kernel returned a cotangent
+    that reprules cannot make exact (a replicated part mixed into a varying one)."""
+
+
 class UnsupportedJaxError(ReprulesError, RuntimeError):
     """The installed JAX is outside the range reprules supports."""
 
@@ -41,8 +46,11 @@ def fmt_axes(axes: Iterable[str]) -> str:
 
 
 def missing_rule_message(
-    kernel_name: str, mesh_axes: Iterable[str], jax_version: str, kind: str = "Pallas kernel"
+    kernel_name: str, mesh_axes: Iterable[str], jax_version: str, kind: str = "Pallas kernel",
+    jax_error: str = "",
 ) -> str:
+    """The message of :class:`MissingRuleError`; ``jax_error`` is the text of the
+    error JAX alone raises in the same situation, quoted at the end."""
     name = kernel_name.split(" ")[0]
     if kind == "Pallas kernel":
         fix = (
@@ -68,6 +76,7 @@ def missing_rule_message(
         f"JAX {jax_version}).\n"
         f"Why: the {kind} is opaque to JAX, which therefore cannot tell over which "
         "mesh axes its outputs vary.\n" + fix
+        + (f"\nJAX's own error: {jax_error}" if jax_error else "")
     )
 
 
@@ -75,5 +84,40 @@ class ReplicationMismatchError(ReprulesError, RuntimeError):
     """Verify mode found an output that differs across an axis its rule calls replicated."""
 
 
+class PatchWarning(ReprulesError, RuntimeWarning):
+    """reprules left a JAX attribute that another library wrapped after it in place."""
+
+
+def patch_left_message(where: list[str], jax_version: str) -> str:
+    names = ", ".join(where)
+    return (
+        f"reprules did not restore {names} (JAX {jax_version}): another library (a profiler, "
+        "another shim) replaced it after reprules patched it, so its wrapper is left in place and "
+        "reprules' own hook inside it now passes every call through unchanged.\n"
+        "Why: restoring JAX's original would silently drop the other library's wrapper.\n"
+        "Fix: nothing is needed for correctness; to leave no reprules frame behind, remove the "
+        "other library's patch before reprules deactivates (before the last rule is unregistered "
+        "or strict mode ends)."
+    )
+
+
 class StrictModeError(ReprulesError, ValueError):
     """Strict mode refused an opaque primitive that JAX would type as replicated."""
+
+
+def mixed_cotangent_message(
+    function: str, input_name: str, primal_type: str, axes: Iterable[str],
+    mesh_axes: Iterable[str], jax_version: str,
+) -> str:
+    over = ", ".join(repr(a) for a in sorted(axes))
+    return (
+        f"The bwd rule of custom_vjp function {function!r} returned, for {input_name} of type "
+        f"{primal_type}, a cotangent that varies over {fmt_axes(axes)} and mixes in a part that "
+        f"was replicated over {over} (mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version}).\n"
+        f"Why: the primal is replicated over {over}, so reprules would psum the cotangent over "
+        "it; that is exact for per-device contributions, but the replicated part would be "
+        "counted once per device, a silently wrong gradient.\n"
+        f"Fix: psum the varying part yourself in the bwd rule, e.g. "
+        f"`jax.lax.psum(dw_varying, ({over},)) + dw_replicated`, so the cotangent has the "
+        "primal's type."
+    )

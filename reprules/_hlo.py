@@ -156,8 +156,7 @@ def parse_groups(text: str, *, pairs: bool = False) -> Groups:
         return Groups(ids=_iota_groups(shape, dims, perm), pairs=pairs)
     if text.startswith("{"):
         inner = text[1:-1].strip() if text.endswith("}") else text[1:]
-        rows = tuple(tuple(_ints(g)) for g in re.findall(r"\{([^{}]*)\}", inner))
-        return Groups(ids=rows, pairs=pairs)
+        return Groups(ids=tuple(tuple(_ints(g)) for g in re.findall(r"\{([^{}]*)\}", inner)), pairs=pairs)
     raise ValueError(f"unrecognised replica groups: {text!r}")
 
 
@@ -297,8 +296,8 @@ def parse_hlo(text: str) -> list[TextCollective]:
             attr = _hlo_attr(raw, "source_target_pairs") or "{}"
             groups = parse_groups(attr, pairs=True)
         else:
-            attr = _hlo_attr(raw, "replica_groups")
-            groups = parse_groups(attr) if attr else Groups(ids=())
+            groups_attr = _hlo_attr(raw, "replica_groups")
+            groups = parse_groups(groups_attr) if groups_attr else Groups(ids=())
         op_name = source = ""
         meta = _hlo_attr(raw, "metadata")
         if meta:

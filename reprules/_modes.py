@@ -45,11 +45,14 @@ def verify() -> Iterator[None]:
     output that a rule declares replicated over a mesh axis is compared across
     that axis when the step runs; a difference raises
     :class:`reprules.ReplicationMismatchError` naming the kernel, the rule, the
-    axis and the largest difference, when the context exits (checks run on the
+    axis and the largest difference (copies compare like with like: the same
+    NaN, ``inf`` or ``-inf`` on every device is no mismatch, NaN against a
+    number is), when the context exits (checks run on the
     devices; the context waits for them with ``jax.effects_barrier()``). With
-    the environment variable, reprules' pytest plugin fails the test instead. It costs a ``pmax``/``pmin`` pair per output
-    and axis, so use it in tests, not in production. Works under ``jit``,
-    ``grad`` and ``shard_map``.
+    the environment variable, reprules' pytest plugin fails the test instead.
+    Each output costs an ``all_gather`` over every axis its rule declares it
+    replicated over, plus a host callback, so use it in tests, not in
+    production. Works under ``jit``, ``grad`` and ``shard_map``.
 
     Example:
         ```python

@@ -26,7 +26,7 @@ import importlib.util
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 GROUP = "reprules.rules"
@@ -138,6 +138,7 @@ def discover() -> None:
     with _lock:
         if _finder is not None:
             return
+        found: Iterable[importlib.metadata.EntryPoint]
         try:
             found = importlib.metadata.entry_points(group=GROUP)
         except Exception as err:  # broken metadata must not break `import reprules`

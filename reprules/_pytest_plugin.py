@@ -12,15 +12,11 @@ imported when a fixture or marker needs them.
 from __future__ import annotations
 
 import importlib.metadata
-import os
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-
-_FLAG = "--xla_force_host_platform_device_count"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,14 +33,6 @@ def _version(dist: str) -> str:
         return "?"
 
 
-def _backend_started() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    from reprules._shim._inspect import backends_started
-
-    return backends_started()
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
     n = getattr(early_config.known_args_namespace, "reprules_cpu_devices", None)
@@ -55,7 +43,9 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 def _provide_devices(n: int) -> None:
     if n < 1:
         raise pytest.UsageError(f"--reprules-cpu-devices must be at least 1, got {n}.")
-    if _backend_started():
+    from reprules import _environment
+
+    if _environment.backend_started():
         import jax
 
         have = jax.device_count()
@@ -66,12 +56,9 @@ def _provide_devices(n: int) -> None:
                 "something (a plugin or an imported module) started it before reprules could "
                 "set XLA_FLAGS.\n"
                 "Fix: do not call JAX (jax.devices(), array creation) at import time in plugins "
-                "or conftest.py, or set XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{n} in the environment.")
+                f"or conftest.py, or set XLA_FLAGS={_environment.FLAG}={n} in the environment.")
         return
-    flags = re.sub(rf"{_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={n}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _environment.request_cpu_devices(n)
 
 
 def pytest_configure(config: pytest.Config) -> None:

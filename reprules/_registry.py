@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 
 from reprules._errors import RegistrationError
 from reprules.rules import RuleLike
@@ -47,11 +47,11 @@ class FfiTarget:
 
 _lock = threading.RLock()
 _rules: weakref.WeakKeyDictionary[object, Registration] = weakref.WeakKeyDictionary()
-_targets: dict[FfiTarget, Registration] = {}  # by value: names are not weak-referenceable
+_targets: dict[object, Registration] = {}  # FFI targets, by value: names are not weak-referenceable
 
 
-def _table(kernel: object) -> dict:
-    return _targets if isinstance(kernel, FfiTarget) else _rules  # type: ignore[return-value]
+def _table(kernel: object) -> MutableMapping[object, Registration]:
+    return _targets if isinstance(kernel, FfiTarget) else _rules
 
 
 def kernel_name(kernel: object) -> str:
@@ -145,10 +145,28 @@ def lookup(kernel: object) -> Registration | None:
             kernel = kernel.func
 
 
-def registered() -> dict[str, Registration]:
-    """A snapshot of the registry, keyed by ``module.qualname``."""
+def registrations() -> list[Registration]:
+    """A snapshot of every registration, in registration order."""
     with _lock:
-        return {reg.where: reg for reg in [*_rules.values(), *_targets.values()]}
+        return [*_rules.values(), *_targets.values()]
+
+
+def registered() -> dict[str, Registration]:
+    """A snapshot of the registry, keyed by ``module.qualname``.
+
+    Distinct kernels can share a ``module.qualname`` (kernels made by one
+    factory, primitives of one name): the first registered keeps the plain key,
+    the others get ``#2``, ``#3``... in registration order. ``Registration.where``
+    stays the plain name.
+    """
+    out: dict[str, Registration] = {}
+    for reg in registrations():
+        key, n = reg.where, 1
+        while key in out:
+            n += 1
+            key = f"{reg.where}#{n}"
+        out[key] = reg
+    return out
 
 
 def is_empty() -> bool:

@@ -21,6 +21,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from reprules.testing import shard_map
+
 MESH_SHAPE = (4, 2)
 MESH_AXES = ("data", "model")
 
@@ -64,23 +66,6 @@ def make_mesh() -> Any:
             "Fix: run `reprules audit` in a fresh process (it provides 8 fake CPU devices), or "
             "set XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts.")
     return jax.sharding.Mesh(np.array(devices[:n]).reshape(MESH_SHAPE), MESH_AXES)
-
-
-def shard_map(f: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any, check: bool) -> Callable[..., Any]:
-    """``shard_map`` with checking on or off, on every supported JAX."""
-    import jax
-
-    if hasattr(jax, "shard_map") and _version() >= (0, 6):  # 0.6+: jax.shard_map, check_vma
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
-    from jax.experimental.shard_map import shard_map as old  # 0.4.28 - 0.5.x: check_rep
-
-    return old(f, mesh, in_specs, out_specs, check_rep=check)
-
-
-def _version() -> tuple[int, ...]:
-    import jax
-
-    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in jax.__version__.split(".")[:3])
 
 
 def _randn(seed: int, shape: tuple[int, ...]) -> Any:

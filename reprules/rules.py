@@ -24,6 +24,9 @@ __all__ = [
     "Decision",
     "Rule",
     "RuleContext",
+    "RuleLike",
+    "RuleResult",
+    "VaryingSet",
     "invariant",
     "like",
     "same",
@@ -31,6 +34,7 @@ __all__ = [
 ]
 
 VaryingSet = frozenset[str]
+"""The mesh axes a value varies over (``frozenset()``: replicated over every axis)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +74,7 @@ class Decision:
 
 
 RuleResult = Union[Decision, Sequence[Set[str]]]
+"""What a rule returns: a :class:`Decision`, or one set of axis names per output."""
 
 
 class Rule(Protocol):
@@ -213,3 +218,5 @@ class invariant:
 
 
 RuleLike = Union[Rule, Callable[[RuleContext, tuple[VaryingSet, ...]], RuleResult]]
+"""A rule: one of this module's rules (``same()``, ``like(i)``, ...) or any
+``rule(ctx, in_varying)`` callable returning a :data:`RuleResult`."""

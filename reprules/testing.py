@@ -6,6 +6,9 @@ collective at three levels: the jaxpr (``shard_map``, ``custom_vjp``, ``scan``,
 HLO. Checking all three matters: from JAX 0.10.2, XLA:CPU folds an all-reduce
 of a constant cotangent away, while the jaxpr and StableHLO still have it.
 
+Two helpers set up what such tests and scripts need on every supported JAX:
+``fake_cpu_devices(n)`` (before JAX starts) and ``shard_map(..., check=True)``.
+
 Example:
     ```python
     from reprules import testing
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
+
+from reprules import _environment
 
 from reprules._collectives import LEVELS as LEVELS
 from reprules._collectives import Collective as Collective
@@ -39,6 +44,8 @@ __all__ = [
     "assert_collectives",
     "assert_no_all_reduce",
     "collectives",
+    "fake_cpu_devices",
+    "shard_map",
 ]
 
 ExpectKey = Union[str, tuple[str, Union[str, tuple[str, ...]]]]
@@ -178,6 +185,81 @@ def assert_collectives(fn: Callable[..., Any], *args: Any, expect: Mapping[Expec
     return report
 
 
+def fake_cpu_devices(n: int) -> None:
+    """Makes JAX start with ``n`` CPU devices: call it before anything starts JAX.
+
+    Sets ``--xla_force_host_platform_device_count=n`` in ``XLA_FLAGS`` (replacing
+    a count already there) and makes CPU JAX's platform unless ``JAX_PLATFORMS``
+    says otherwise. ``import jax`` before it is fine; creating an array or
+    calling ``jax.devices()`` before it is not: the count is fixed when JAX's
+    backend starts. The pytest plugin's ``--reprules-cpu-devices N`` does the
+    same for a test run.
+
+    Args:
+      n: How many devices (at least 1).
+
+    Raises:
+      ReprulesError: ``n`` is below 1, or a JAX backend already started with
+        another number of CPU devices.
+
+    Example:
+        ```python
+        from reprules import testing
+
+        testing.fake_cpu_devices(8)         # first thing in a script
+        import jax
+
+        assert jax.device_count() == 8
+        ```
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ReprulesError(f"fake_cpu_devices needs a device count of at least 1, got {n!r}.")
+    if _environment.backend_started():
+        import jax
+
+        have = len(jax.devices("cpu"))
+        if have != n:
+            raise ReprulesError(
+                f"fake_cpu_devices({n}): a JAX backend already started with {have} CPU devices.\n"
+                "Why: the number of fake CPU devices is fixed when JAX's backend starts, and "
+                "something (an array, jax.devices()) started it before this call.\n"
+                "Fix: call fake_cpu_devices first thing, before any JAX computation, or set "
+                f"XLA_FLAGS={_environment.FLAG}={n} in the environment.")
+        return
+    _environment.request_cpu_devices(n)
+
+
+def shard_map(f: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any,
+              check: bool = True) -> Callable[..., Any]:
+    """``shard_map`` with checking on (or off), on every supported JAX.
+
+    ``jax.shard_map(..., check_vma=check)`` from JAX 0.6, and
+    ``jax.experimental.shard_map.shard_map(..., check_rep=check)`` on JAX <= 0.5.
+
+    Args:
+      f: The per-device function.
+      mesh: The ``jax.sharding.Mesh``.
+      in_specs: ``PartitionSpec`` (or pytree of them) per argument.
+      out_specs: ``PartitionSpec`` (or pytree of them) of the result.
+      check: Whether JAX checks and tracks replication (``check_vma`` /
+        ``check_rep``); reprules' rules make opaque kernels pass it.
+
+    Returns:
+      The ``shard_map``-ed function.
+    """
+    import jax
+
+    new_shard_map = getattr(jax, "shard_map", None)
+    mapped: Callable[..., Any]
+    if new_shard_map is not None:  # 0.6+: jax.shard_map, check_vma
+        mapped = new_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+    else:  # 0.4.28 - 0.5.x: jax.experimental.shard_map, check_rep
+        from jax.experimental.shard_map import shard_map as old_shard_map
+
+        mapped = old_shard_map(f, mesh, in_specs, out_specs, check_rep=check)
+    return mapped
+
+
 # --- helpers ---------------------------------------------------------------------------
 
 
@@ -218,12 +300,12 @@ def _parse_expectation(key: Any, value: Any) -> tuple[str, str | None, Any, bool
         raise ValueError(
             f"expect[{key!r}] is {value!r}.\n"
             "Fix: give a count (an int) or a mapping with 'count' and/or 'bytes'.")
-    want = {"count": value} if isinstance(value, int) else dict(value)
+    want: dict[str, int] = {"count": value} if isinstance(value, int) else dict(value)
     if not want or set(want) - {"count", "bytes"}:
         raise ValueError(
             f"expect[{key!r}] is {value!r}.\n"
             "Fix: a mapping value may only have the keys 'count' and 'bytes'.")
-    label = "defensive" if defensive else (kind if axes is None else f"{kind} over {_axes_text(axes)}")
+    label = "defensive" if kind is None else (kind if axes is None else f"{kind} over {_axes_text(axes)}")
     return label, kind, axes, defensive, want
 
 
@@ -239,16 +321,16 @@ def _offending(found: Iterable[Collective]) -> str:
 def _why_and_fix(found: Iterable[Collective], report: Report) -> str:
     found = list(found)
     defensive = [c for c in found if c.defensive]
-    kernels = {k.name: k for k in report.kernels_without_rule}
-    culprits = [kernels[n] for c in defensive for n in c.kernels_without_rule if n in kernels]
-    culprits = list({k.name: k for k in culprits}.values())
+    named = {n for c in defensive for n in c.kernels_without_rule}
+    culprits = [k for k in report.kernels_without_rule if k.name in named]  # same-named ones too
     if culprits:
         lines = [
             "Why: these are defensive all-reduces: shard_map runs with checking off, so its "
             "transpose sums cotangents over axes where they are replicated. Checking is off "
             "because of opaque kernels without a replication rule:"]
         for k in culprits:
-            lines.append(f"  - kernel {k.name!r} ({k.primitive}, defined at {k.source or '?'})")
+            unknown = "" if k.identified else f"; {k.status()}"
+            lines.append(f"  - kernel {k.name!r} ({k.primitive}, defined at {k.source or '?'}){unknown}")
         lines.append("Fix: give each a rule and turn checking on (check_vma=True; check_rep=True on "
                      "JAX <= 0.5):")
         for k in culprits:

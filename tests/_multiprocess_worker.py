@@ -32,12 +32,10 @@ INIT_TIMEOUT_S = 60
 
 
 def configure_environment(num_local_devices: int) -> None:
-    """CPU only, ``num_local_devices`` fake devices: before JAX starts."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append(f"--xla_force_host_platform_device_count={num_local_devices}")
-    os.environ["XLA_FLAGS"] = " ".join(flags)
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    """CPU only, ``num_local_devices`` fake devices: before JAX is imported."""
+    from reprules._environment import environ_with_cpu_devices  # imports no JAX
+
+    os.environ.update(environ_with_cpu_devices(num_local_devices, os.environ))
 
 
 def enable_cpu_collectives() -> str:
@@ -59,75 +57,17 @@ def enable_cpu_collectives() -> str:
 # --- the kernels and steps ------------------------------------------------------------
 
 
-def copy_kernel(x_ref: Any, o_ref: Any) -> None:
-    """The kernel of JAX issue #21855: copies its input."""
-    o_ref[...] = x_ref[...]
-
-
-def matmul_kernel(a_ref: Any, b_ref: Any, o_ref: Any) -> None:
-    import jax.numpy as jnp
-
-    o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+# The kernels: JAX #21855's copy kernel (tests/helpers.py) and the audit's Pallas matmul
+# (reprules/_workloads.py), each under custom_vjp.
 
 
 def register_rules() -> None:
     import reprules
+    from helpers import copy_kernel
+    from reprules._workloads import matmul_kernel
 
     reprules.replication_rule()(copy_kernel)
     reprules.replication_rule()(matmul_kernel)
-
-
-def _copy(x: Any) -> Any:
-    import jax
-    from jax.experimental import pallas as pl
-
-    return pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
-
-
-def _matmul(a: Any, b: Any) -> Any:
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-
-    out = jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), jnp.float32)
-    return pl.pallas_call(matmul_kernel, out_shape=out, interpret=True)(a, b)
-
-
-def kernel_copy() -> Callable[[Any], Any]:
-    import jax
-
-    @jax.custom_vjp
-    def f(x: Any) -> Any:
-        return _copy(x)
-
-    f.defvjp(lambda x: (_copy(x), None), lambda _, g: (_copy(g),))
-    return f
-
-
-def kernel_matmul() -> Callable[[Any, Any], Any]:
-    import jax
-
-    @jax.custom_vjp
-    def mm(a: Any, b: Any) -> Any:
-        return _matmul(a, b)
-
-    def bwd(res: Any, g: Any) -> Any:
-        a, b = res
-        return _matmul(g, b.T), _matmul(a.T, g)
-
-    mm.defvjp(lambda a, b: (_matmul(a, b), (a, b)), bwd)
-    return mm
-
-
-def shard_map(f: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any, check: bool) -> Callable[..., Any]:
-    import jax
-
-    version = tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in jax.__version__.split(".")[:3])
-    if hasattr(jax, "shard_map") and version >= (0, 6):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
-    from jax.experimental.shard_map import shard_map as old
-
-    return old(f, mesh, in_specs, out_specs, check_rep=check)
 
 
 def randn(seed: int, shape: tuple[int, ...], scale: float = 1.0) -> Any:
@@ -156,13 +96,16 @@ def workloads(mesh: Any, place: Callable[[Any, Any], Any]) -> dict[str, Step]:
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
+    from helpers import kernel_copy, shard_map
+    from reprules._workloads import _make_kernel_matmul as kernel_matmul
+
     steps: dict[str, Step] = {}
 
     # 1. JAX #21855: x varies over data, is replicated over model.
     x0, w0 = randn(0, (8, 128)), randn(1, (8, 128))
 
     def make_21855(check: bool) -> Callable[..., Any]:
-        f = shard_map(kernel_copy(), mesh, P("data", None), P("data", None), check)
+        f = shard_map(kernel_copy, mesh, P("data", None), P("data", None), check)
         return jax.value_and_grad(lambda x: (f(x) * w0).sum())
 
     steps["issue21855"] = Step(
@@ -232,30 +175,11 @@ def global_place(mesh: Any) -> Callable[[Any, Any], Any]:
     return place
 
 
-def psum_axes_of(closed_jaxpr: Any) -> list[tuple[str, ...]]:
-    """Sorted axes of every psum-like equation, sub-jaxprs included."""
-    found: list[tuple[str, ...]] = []
-
-    def walk(jaxpr: Any) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("psum", "psum2", "psum_invariant"):
-                axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-                axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-                found.append(tuple(sorted(a for a in axes if isinstance(a, str))))
-            for value in eqn.params.values():
-                for item in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(item, "jaxpr", item)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(closed_jaxpr.jaxpr)
-    return sorted(found)
-
-
 def summarize(step: Step) -> dict[str, Any]:
     """The collectives of ``step`` (reprules.testing) and its jaxpr psum axes."""
     import jax
 
+    from helpers import psum_axes_of
     from reprules import testing
 
     report = testing.collectives(step.step, *step.args)

@@ -1,11 +1,8 @@
 """Test set-up: 8 fake CPU devices before any JAX backend starts."""
 
-import os
+from reprules import testing
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+testing.fake_cpu_devices(8)  # before anything starts JAX's backend
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

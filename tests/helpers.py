@@ -1,17 +1,38 @@
-"""Version-agnostic test helpers (public JAX API only)."""
+"""Version-agnostic test helpers (public JAX API only), shared by every test file.
+
+The JAX version, ``shard_map`` with checking on or off, the fake-device
+``XLA_FLAGS``, the (4, 2) mesh, and the seed workload of JAX #21855 (a Pallas
+copy kernel under ``custom_vjp``) are written here once for the tests.
+
+This module imports no reprules at module level: tests/test_no_harm_more.py
+builds its programs with it in a fresh process *before* ``import reprules``.
+So the version and ``shard_map`` are the tests' own copies of
+``reprules._environment.version_tuple`` and ``reprules.testing.shard_map``
+(the same rules; tests/test_testing.py checks that they agree).
+"""
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-JAX_VERSION = tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in jax.__version__.split(".")[:3])
-NEW_SHARD_MAP = hasattr(jax, "shard_map") and JAX_VERSION >= (0, 6, 0)
+JAX_VERSION = tuple(int(re.match(r"\d*", p).group() or 0) for p in jax.__version__.split("."))
+NEW_SHARD_MAP = hasattr(jax, "shard_map")  # 0.6+: jax.shard_map(check_vma=...); before: check_rep
+
+
+def shard_map(f, mesh, in_specs, out_specs, check=True):
+    """``shard_map`` with checking on (or off with ``check=False``), on every JAX of the matrix."""
+    if NEW_SHARD_MAP:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+    from jax.experimental.shard_map import shard_map as old_shard_map  # 0.4.28 - 0.5.x
+
+    return old_shard_map(f, mesh, in_specs, out_specs, check_rep=check)
 
 
 def make_mesh(shape=(4, 2), names=("data", "model")):
@@ -19,13 +40,29 @@ def make_mesh(shape=(4, 2), names=("data", "model")):
     return jax.sharding.Mesh(devices, names)
 
 
-def shard_map(f, mesh, in_specs, out_specs, check=True):
-    """``shard_map`` with checking on or off, on every JAX of the matrix."""
-    if NEW_SHARD_MAP:
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
-    from jax.experimental.shard_map import shard_map as old_shard_map
+def env_with_cpu_devices(n=8, env=None):
+    """A copy of ``env`` (default ``os.environ``) for a subprocess with ``n`` fake CPU devices."""
+    from reprules._environment import environ_with_cpu_devices
 
-    return old_shard_map(f, mesh, in_specs, out_specs, check_rep=check)
+    return environ_with_cpu_devices(n, os.environ if env is None else env)
+
+
+# --- the seed workload: JAX #21855's Pallas copy kernel under custom_vjp ----------
+def copy_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+
+def copy(x, kernel=copy_kernel):
+    """``kernel`` (a copy kernel) applied to ``x`` through ``pl.pallas_call`` in interpret mode."""
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+
+@jax.custom_vjp
+def kernel_copy(x):
+    return copy(x)
+
+
+kernel_copy.defvjp(lambda x: (copy(x), None), lambda _, g: (copy(g),))
 
 
 def put(x, mesh, spec):
@@ -48,16 +85,24 @@ def _eqns(jaxpr):
                     yield from _eqns(sub)
 
 
-def psum_axes(fn, *args):
-    """Sorted axes of every psum (psum, psum2, psum_invariant) in ``fn``'s jaxpr,
-    read from the equations (printed jaxprs split long equations over lines)."""
+PSUM_PRIMITIVES = ("psum", "psum2", "psum_invariant")  # the spellings of psum across 0.4.28 - 0.12
+
+
+def psum_axes_of(closed_jaxpr):
+    """Sorted axes of every psum in ``closed_jaxpr`` and its sub-jaxprs, read from
+    the equations (printed jaxprs split long equations over lines)."""
     found = []
-    for eqn in _eqns(jax.make_jaxpr(fn)(*args).jaxpr):
-        if eqn.primitive.name.startswith("psum"):
+    for eqn in _eqns(closed_jaxpr.jaxpr):
+        if eqn.primitive.name in PSUM_PRIMITIVES:
             axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
             axes = axes if isinstance(axes, (tuple, list)) else (axes,)
             found.append(tuple(sorted(a for a in axes if isinstance(a, str))))
     return sorted(found)
+
+
+def psum_axes(fn, *args):
+    """:func:`psum_axes_of` the jaxpr of ``fn(*args)``."""
+    return psum_axes_of(jax.make_jaxpr(fn)(*args))
 
 
 def count_all_reduce(fn, *args):
@@ -78,3 +123,36 @@ def max_err(a, b):
         float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
         for x, y in zip(leaves_a, leaves_b)
     )
+
+
+# --- custom_vjp implementations ------------------------------------------------
+def _has_flag(name):
+    return hasattr(jax.config, name)
+
+
+CUSTOM_VJP3_MODES = [False, True] if _has_flag("jax_custom_vjp3") else [False]
+"""``jax_custom_vjp3`` off and on where the release has the flag (0.9.1+)."""
+
+
+class custom_vjp3:
+    """Context manager: ``jax_custom_vjp3`` set to ``on`` (no-op where absent).
+
+    From 0.9.1 to 0.11 the flag picks the implementation when a function is
+    *decorated*, so define custom_vjp functions inside the block."""
+
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        if _has_flag("jax_custom_vjp3"):
+            self.before = jax.config.jax_custom_vjp3
+            jax.config.update("jax_custom_vjp3", self.on)
+        return self
+
+    def __exit__(self, *exc):
+        if _has_flag("jax_custom_vjp3"):
+            jax.config.update("jax_custom_vjp3", self.before)
+
+
+VARYING_OVER_DATA = r"\{(V:)?data\}"
+"""How a jaxpr prints a type varying over ``data``: ``{V:data}``, ``{data}`` on JAX 0.7."""

@@ -11,7 +11,7 @@ TARGET = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np
     from jax.experimental import pallas as pl
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from reprules import _workloads
+    from reprules.testing import shard_map
 
     def user_copy_kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...]
@@ -29,13 +29,13 @@ TARGET = textwrap.dedent('''
     def audit_step():
         mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
         x = jax.device_put(jnp.ones((8, 128)), NamedSharding(mesh, P("data", None)))
-        f = _workloads.shard_map(kernel_copy, mesh, P("data", None), P("data", None), check=False)
+        f = shard_map(kernel_copy, mesh, P("data", None), P("data", None), check=False)
         return {"step": jax.grad(lambda x: (f(x) * W).sum()), "args": (x,), "reference": lambda: W}
 
     def data_parallel():
         mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
         x = jax.device_put(jnp.ones((8, 128)), NamedSharding(mesh, P("data", None)))
-        f = _workloads.shard_map(lambda x, w: x @ w, mesh, (P("data", None), P()), P("data", None), check=True)
+        f = shard_map(lambda x, w: x @ w, mesh, (P("data", None), P()), P("data", None), check=True)
         return jax.grad(lambda w, x: (f(x, w) * 2.0).sum()), (jnp.ones((128, 4)), x)
 
     def not_a_step():

@@ -1,57 +1,192 @@
-"""custom_vjp backward rules whose cotangent varies over more axes than its primal.
+"""custom_vjp backward rules of registered kernels whose cotangent varies over
+more axes than its primal.
 
-A replicated weight used on sharded activations: the bwd rule returns a weight
+A replicated weight used on sharded activations: the bwd returns a weight
 cotangent that varies over ``data``. JAX <= 0.5 psums it under check_rep; from
-0.6.2 JAX refuses it. With reprules active, every version gives the psum over
-exactly those axes, and the gradient is exact.
+0.6.2 JAX refuses it. With a registered kernel in the custom_vjp, every version
+gives the psum over exactly those axes and the exact gradient; a cotangent that
+mixes in a replicated part is refused (JAX >= 0.6), never silently wrong. Each
+test runs with ``jax_custom_vjp3`` off and on where the release has the flag.
 """
 
 import jax
 import numpy as np
 import pytest
+from helpers import (
+    CUSTOM_VJP3_MODES,
+    NEW_SHARD_MAP,
+    count_all_reduce,
+    custom_vjp3,
+    make_mesh,
+    max_err,
+    psum_axes,
+    put,
+    randn,
+    shard_map,
+)
+from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import JAX_VERSION, count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
+
+vjp3 = pytest.mark.parametrize("vjp3", CUSTOM_VJP3_MODES, ids=lambda on: f"vjp3={'on' if on else 'off'}")
 
 
-@jax.custom_vjp
-def mul(x, w):
-    return x * w
+def mul_kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...] * w_ref[...]
 
 
-mul.defvjp(lambda x, w: (x * w, (x, w)), lambda res, g: (g * res[1], (g * res[0]).sum(0)))
+def kernel_mul(x, w):
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return pl.pallas_call(mul_kernel, out_shape=out, interpret=True)(x, w)
 
 
-def _loss(check):
+def _data():
     mesh = make_mesh()
-    f = shard_map(mul, mesh, (P("data", None), P()), P("data", None), check=check)
+    x = put(randn(0, (16, 32)), mesh, P("data", None))
+    w = put(randn(1, (1, 32)), mesh, P())
     t = randn(2, (16, 32))
-    return mesh, t, lambda x, w: (f(x, w) * t).sum()
+    return mesh, x, w, t
 
 
-def _any_kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...]
+def _expected(x, w, t, extra=0.0):
+    x, w, t = np.asarray(x), np.asarray(w), np.asarray(t)
+    return t * w, (t * x).sum(0, keepdims=True) + extra
 
 
-def test_weight_cotangent_is_psummed_over_exactly_data():
-    reprules.replication_rule()(_any_kernel)  # activates reprules
-    mesh, t, loss = _loss(check=True)
-    x = put(randn(0, (16, 32)), mesh, P("data", None))
-    w = put(randn(1, (32,)), mesh, P())
-    grad = jax.grad(loss, argnums=(0, 1))
-    expected = jax.grad(lambda x, w: (x * w * t).sum(), argnums=(0, 1))(np.asarray(x), np.asarray(w))
-    assert max_err(jax.jit(grad)(x, w), expected) < 1e-4
-    assert psum_axes(grad, x, w) == [("data",)]
-    assert count_all_reduce(grad, x, w) == (1, 1, 1)
+def _mul_in_fwd():
+    """The kernel in the fwd; a jnp bwd whose weight cotangent varies over data."""
+
+    @jax.custom_vjp
+    def mul(x, w):
+        return kernel_mul(x, w)
+
+    mul.defvjp(lambda x, w: (kernel_mul(x, w), (x, w)),
+               lambda res, g: (g * res[1], (g * res[0]).sum(0, keepdims=True)))
+    return mul
 
 
-@pytest.mark.skipif(JAX_VERSION < (0, 6, 2), reason="JAX <= 0.5 psums such cotangents itself")
-def test_without_reprules_new_jax_refuses_it():
-    assert not reprules.registered()
-    mesh, t, loss = _loss(check=True)
-    x = put(randn(0, (16, 32)), mesh, P("data", None))
-    w = put(randn(1, (32,)), mesh, P())
-    with pytest.raises(Exception) as info:  # _RepError (0.6), ValueError (0.7+)
-        jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+def _mul_in_bwd():
+    """A jnp fwd; the kernel in the bwd."""
+
+    @jax.custom_vjp
+    def mul(x, w):
+        return x * w
+
+    mul.defvjp(lambda x, w: (x * w, (x, w)),
+               lambda res, g: (kernel_mul(g, res[1]), (g * res[0]).sum(0, keepdims=True)))
+    return mul
+
+
+jitted_kernel_mul = jax.jit(kernel_mul)
+
+
+def _mul_in_bwd_cached():
+    """The kernel only in the bwd, through a jitted function already traced
+    for the same types, so the bwd reuses a cached trace and traces no kernel."""
+
+    @jax.custom_vjp
+    def mul(x, w):
+        return x * w
+
+    mul.defvjp(lambda x, w: (x * w, (x, w)),
+               lambda res, g: (jitted_kernel_mul(g, res[1]), (g * res[0]).sum(0, keepdims=True)))
+
+    def warmed(x, w):
+        warm = jitted_kernel_mul(jax.lax.stop_gradient(x), jax.lax.stop_gradient(w))  # fills the cache
+        return mul(x, w) + 0.0 * warm
+
+    return warmed
+
+
+@vjp3
+@pytest.mark.parametrize(
+    "make", [_mul_in_fwd, _mul_in_bwd, _mul_in_bwd_cached], ids=["kernel-in-fwd", "kernel-in-bwd", "cached-kernel-in-bwd"]
+)
+def test_weight_cotangent_is_psummed_over_exactly_data(vjp3, make):
+    reprules.replication_rule()(mul_kernel)
+    mesh, x, w, t = _data()
+    with custom_vjp3(vjp3):
+        f = shard_map(make(), mesh, (P("data", None), P()), P("data", None))
+        grad = jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1))
+        assert max_err(jax.jit(grad)(x, w), _expected(x, w, t)) < 1e-4
+        assert psum_axes(grad, x, w) == [("data",)]
+        assert count_all_reduce(grad, x, w) == (1, 1, 1)
+
+
+def _mixed(psum_inside):
+    """Returns the kernel output and a replicated ``2 * w``; the bwd adds the
+    replicated ``2 * g_z`` to the varying ``(g_y * x).sum(0)``."""
+
+    @jax.custom_vjp
+    def f(x, w):
+        return kernel_mul(x, w), 2.0 * w
+
+    def bwd(res, g):
+        x, w = res
+        g_y, g_z = g
+        dw = (g_y * x).sum(0, keepdims=True)
+        if psum_inside:  # the fix the error names
+            dw = jax.lax.psum(dw, "data")
+        return g_y * w, dw + 2.0 * g_z
+
+    f.defvjp(lambda x, w: (f(x, w), (x, w)), bwd)
+    return f
+
+
+def _mixed_loss(mesh, t, psum_inside):
+    f = shard_map(_mixed(psum_inside), mesh, (P("data", None), P()), (P("data", None), P()))
+
+    def loss(x, w):
+        y, z = f(x, w)
+        return (y * t).sum() + (z * 3.0).sum()
+
+    return loss
+
+
+@pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 psums custom_vjp cotangents itself (issue 10)")
+@vjp3
+def test_mixed_replicated_and_varying_cotangent_is_refused(vjp3):
+    reprules.replication_rule()(mul_kernel)
+    mesh, x, w, t = _data()
+    with custom_vjp3(vjp3):
+        grad = jax.grad(_mixed_loss(mesh, t, psum_inside=False), argnums=(0, 1))
+        with pytest.raises(
+            reprules.CotangentError,
+            match=r"(?s)custom_vjp function '_mixed.<locals>.f'.*input 1 \('w'\).*varies over \{'data'\}.*"
+            r"replicated over 'data'.*JAX \d.*Fix: psum the varying part yourself",
+        ):
+            jax.jit(grad)(x, w)
+
+
+@vjp3
+def test_mixed_cotangent_psummed_in_the_bwd_is_exact(vjp3):
+    reprules.replication_rule()(mul_kernel)
+    mesh, x, w, t = _data()
+    with custom_vjp3(vjp3):
+        grad = jax.grad(_mixed_loss(mesh, t, psum_inside=True), argnums=(0, 1))
+        assert max_err(jax.jit(grad)(x, w), _expected(x, w, t, extra=6.0)) < 1e-4
+        assert psum_axes(grad, x, w) == [("data",)]
+
+
+@pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 psums such cotangents itself")
+@vjp3
+def test_without_a_registered_kernel_new_jax_refuses_it(vjp3):
+    """Another kernel's rule is registered, but this custom_vjp calls none: JAX decides."""
+
+    def other_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    reprules.replication_rule()(other_kernel)
+    mesh, x, w, t = _data()
+    with custom_vjp3(vjp3):
+
+        @jax.custom_vjp
+        def mul(x, w):
+            return x * w
+
+        mul.defvjp(lambda x, w: (x * w, (x, w)), lambda r, g: (g * r[1], (g * r[0]).sum(0, keepdims=True)))
+        f = shard_map(mul, mesh, (P("data", None), P()), P("data", None))
+        with pytest.raises(Exception) as info:  # _RepError (0.6), ValueError (0.7+)
+            jax.jit(jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1)))(x, w)
     assert not isinstance(info.value, reprules.ReprulesError)

@@ -9,29 +9,10 @@ gradients equal to the check-off run and to the unsharded reference.
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import count_all_reduce, make_mesh, max_err, put, randn, shard_map
-
-
-def copy_kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...]
-
-
-def copy(x):
-    return pl.pallas_call(
-        copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True
-    )(x)
-
-
-@jax.custom_vjp
-def kernel_copy(x):
-    return copy(x)
-
-
-kernel_copy.defvjp(lambda x: (copy(x), None), lambda _, g: (copy(g),))
+from helpers import copy_kernel, count_all_reduce, kernel_copy, make_mesh, max_err, put, randn, shard_map
 
 
 def make_loss(mesh, weights, check):

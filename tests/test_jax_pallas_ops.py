@@ -11,12 +11,18 @@ Rules are loaded by calling the pack function on the op module, as the entry
 point does on import (tests/conftest.py unregisters every rule after each
 test); test_packs.py proves the entry points themselves load on import.
 Shapes are tiny: interpret mode is slow.
+
+Where each op's module lives in each JAX release is written down in
+:data:`OP_MODULES`: where the table says a module exists, failing to import it,
+or a kernel the pack lists missing from it, fails (a rename in JAX must not
+silently drop coverage); only where the table says it does not exist is a test
+skipped, saying so.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -24,25 +30,50 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import reprules
 from helpers import JAX_VERSION, count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
 from reprules._builtin_packs import jax_pallas_ops as pack
 
 OPS = "jax.experimental.pallas.ops"
+# Pack function -> [(module under OPS, first JAX release that has it, last one; None: still
+# in the newest supported JAX)], read from the released jax wheels 0.4.28 - 0.12.0.1 (0.4.29
+# moved the GPU ops under gpu/).
+OP_MODULES = {
+    "layer_norm": [("layer_norm", (0, 4, 28), (0, 4, 28)), ("gpu.layer_norm", (0, 4, 29), None)],
+    "rms_norm": [("rms_norm", (0, 4, 28), (0, 4, 28)), ("gpu.rms_norm", (0, 4, 29), None)],
+    "softmax": [("softmax", (0, 4, 28), (0, 4, 28)), ("gpu.softmax", (0, 4, 29), None)],
+    "attention": [("attention", (0, 4, 28), (0, 4, 28)), ("gpu.attention", (0, 4, 29), None)],
+    "decode_attention": [("gpu.decode_attention", (0, 4, 29), None)],
+    "paged_attention_gpu": [("gpu.paged_attention", (0, 5, 1), None)],
+    "splash_attention": [("tpu.splash_attention.splash_attention_kernel", (0, 4, 28), None)],
+    "flash_attention_tpu": [("tpu.flash_attention", (0, 4, 28), None)],
+    "matmul_tpu": [("tpu.matmul", (0, 4, 33), None)],
+    "example_kernel_tpu": [("tpu.example_kernel", (0, 4, 28), None)],
+}
 
 
-def _module(*paths: str):
-    for path in paths:
-        try:
-            return importlib.import_module(f"{OPS}.{path}")
-        except ImportError:
-            continue
-    pytest.skip(f"JAX {jax.__version__} has no {' or '.join(paths)}")
+def _claimed_path(function: str, version=JAX_VERSION):
+    """The module path the table says ``function``'s op has in JAX ``version``, or None."""
+    for path, first, last in OP_MODULES[function]:
+        if first <= version[:len(first)] and (last is None or version[:len(last)] <= last):
+            return path
+    return None
 
 
-def _loaded(register, *paths: str):
+def _module(function: str):
+    """The op module of pack function ``function`` in this JAX; skips (saying why) where it has none."""
+    path = _claimed_path(function)
+    if path is None:
+        spans = ", ".join(f"{p} in JAX {'.'.join(map(str, a))} - {'.'.join(map(str, b)) if b else 'now'}"
+                          for p, a, b in OP_MODULES[function])
+        pytest.skip(f"JAX {jax.__version__} has no module for this op ({spans})")
+    return importlib.import_module(f"{OPS}.{path}")  # claimed: an ImportError fails the test
+
+
+def _loaded(function: str):
     """The op module, with its rules registered by the pack (as on import)."""
-    module = _module(*paths)
-    register(module)
+    module = _module(function)
+    getattr(pack, function)(module)
     return module
 
 
@@ -76,21 +107,22 @@ def _no_collectives(fn, *args):
 # --- norms: per-row kernels, replicated weight and bias ------------------------------------
 
 
-@pytest.mark.parametrize("op", ["rms_norm"])
-def test_rms_norm(op):
-    norm = _loaded(pack.rms_norm, "gpu.rms_norm", "rms_norm")
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_norm(op):
+    norm = _loaded(op)
+    fn, reference = getattr(norm, op), getattr(norm, f"{op}_reference")
     mesh = make_mesh()
     spec = P("data", None, None)
     x = put(randn(0, (8, 4, 128)), mesh, spec)
     w = put(1.0 + 0.1 * randn(1, (128,)), mesh, P())
     b = put(0.1 * randn(2, (128,)), mesh, P())
     t = randn(3, (8, 4, 128))
-    sharded = shard_map(lambda x, w, b: norm.rms_norm(x, w, b, interpret=True), mesh, (spec, P(), P()), spec)
+    sharded = shard_map(lambda x, w, b: fn(x, w, b, interpret=True), mesh, (spec, P(), P()), spec)
     args = tuple(map(np.asarray, (x, w, b)))
-    assert max_err(jax.jit(sharded)(x, w, b), norm.rms_norm_reference(*args)) < 1e-5
+    assert max_err(jax.jit(sharded)(x, w, b), reference(*args)) < 1e-5
 
     grad = jax.grad(lambda x, w, b: (sharded(x, w, b) * t).sum(), argnums=(0, 1, 2))
-    expected = jax.grad(lambda x, w, b: (norm.rms_norm_reference(x, w, b) * t).sum(), argnums=(0, 1, 2))(*args)
+    expected = jax.grad(lambda x, w, b: (reference(x, w, b) * t).sum(), argnums=(0, 1, 2))(*args)
     assert max_err(jax.jit(grad)(x, w, b), expected) < 1e-4
     # dw and db over `data` (the batch axis), nothing over `model`.
     assert psum_axes(grad, x, w, b) == [("data",), ("data",)]
@@ -100,7 +132,7 @@ def test_rms_norm(op):
 
 
 def test_softmax():
-    sm = _loaded(pack.softmax, "gpu.softmax", "softmax")
+    sm = _loaded("softmax")
     mesh = make_mesh()
     spec = P("data", "model", None)
     x = put(randn(0, (8, 4, 128)), mesh, spec)
@@ -114,9 +146,9 @@ def test_softmax():
 # --- attention (mha): custom VJP, batch sharded, heads over model ---------------------------
 
 
-@pytest.mark.parametrize("causal", [True], ids=["causal"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_attention_mha(causal):
-    attn = _loaded(pack.attention, "gpu.attention", "attention")
+    attn = _loaded("attention")
     if hasattr(attn, "BlockSizes"):
         blocks = {"block_sizes": attn.BlockSizes(16, 16, 16, 16, 16, 16)}
     else:  # 0.4.28 - 0.4.30
@@ -145,7 +177,7 @@ def test_attention_mha(causal):
 
 @pytest.mark.parametrize("variant", ["mqa", "gqa"])
 def test_decode_attention(variant):
-    dec = _loaded(pack.decode_attention, "gpu.decode_attention")
+    dec = _loaded("decode_attention")
     mesh = make_mesh()
     if variant == "mqa":  # q (batch, heads, dim), k/v (batch, seq, dim)
         q_spec, kv_spec = P("data", "model", None), P("data", None, None)
@@ -173,7 +205,7 @@ def test_decode_attention(variant):
 
 
 def test_paged_attention_gpu():
-    pa = _loaded(pack.paged_attention_gpu, "gpu.paged_attention")
+    pa = _loaded("paged_attention_gpu")
     batch, heads, kv_heads, dim, page, pages_per_seq = 4, 16, 2, 16, 4, 4
     num_pages = batch * pages_per_seq
     rng = np.random.RandomState(0)
@@ -206,7 +238,7 @@ def test_paged_attention_gpu():
 
 
 def _splash():
-    sk = _loaded(pack.splash_attention, "tpu.splash_attention.splash_attention_kernel")
+    sk = _loaded("splash_attention")
     import inspect
 
     if "interpret" not in inspect.signature(sk._make_splash_attention).parameters:
@@ -251,7 +283,7 @@ def test_splash_attention(variant):
 
 
 def test_flash_attention_tpu():
-    fa = _loaded(pack.flash_attention_tpu, "tpu.flash_attention")
+    fa = _loaded("flash_attention_tpu")
     with _tpu_interpret():
         blocks = fa.BlockSizes(block_q=128, block_k_major=128, block_k=128, block_b=1,
                                block_q_major_dkv=128, block_k_major_dkv=128, block_k_dkv=128,
@@ -273,11 +305,12 @@ def test_flash_attention_tpu():
 
 
 def test_matmul_tpu():
-    mm = _loaded(pack.matmul_tpu, "tpu.matmul")
+    mm = _loaded("matmul_tpu")
+    interpret = _tpu_interpret()  # skips first where TPU kernels cannot run on CPU at all (< 0.8)
     if JAX_VERSION < (0, 12, 0):
         pytest.skip(f"JAX {jax.__version__}'s TPU interpret mode hangs on this op inside shard_map "
                     "(without reprules too)")
-    with _tpu_interpret():
+    with interpret:
         mesh = make_mesh()
         x, y = randn(0, (32, 256)), randn(1, (256, 256))
         # Rows of x over `data`, columns of y over `model`: each output tile varies over both.
@@ -294,7 +327,7 @@ def test_matmul_tpu():
 
 
 def test_example_kernel_tpu():
-    ex = _loaded(pack.example_kernel_tpu, "tpu.example_kernel")
+    ex = _loaded("example_kernel_tpu")
     with _tpu_interpret():
         mesh = make_mesh()
         x = randn(0, (32, 128))
@@ -305,28 +338,48 @@ def test_example_kernel_tpu():
         _no_collectives(sharded, arg)
 
 
-# --- the entry points (loading on import itself: tests/test_packs.py) ------------------------
+# --- the pack itself: its kernel names, its entry points (loading on import: test_packs.py) ----
 
 
-PACKS = {
-    "layer_norm": ["gpu.layer_norm", "layer_norm"],
-    "rms_norm": ["gpu.rms_norm", "rms_norm"],
-    "softmax": ["gpu.softmax", "softmax"],
-    "attention": ["gpu.attention", "attention"],
-    "decode_attention": ["gpu.decode_attention"],
-    "paged_attention_gpu": ["gpu.paged_attention"],
-    "splash_attention": ["tpu.splash_attention.splash_attention_kernel"],
-    "flash_attention_tpu": ["tpu.flash_attention"],
-    "matmul_tpu": ["tpu.matmul"],
-    "example_kernel_tpu": ["tpu.example_kernel"],
-}
+def test_the_table_covers_every_pack_function():
+    assert set(OP_MODULES) == set(pack.KERNELS)
+    assert all(callable(getattr(pack, function)) for function in pack.KERNELS)
 
 
-@pytest.mark.parametrize("function", sorted(PACKS))
+@pytest.mark.parametrize("function", sorted(OP_MODULES))
+def test_every_listed_kernel_exists_where_the_op_is_claimed(function):
+    """Where the table says the op exists in this JAX, its module imports and has
+    every kernel the pack lists, and the pack registers each of them."""
+    module = _module(function)
+    missing = [name for name in pack.KERNELS[function] if not callable(getattr(module, name, None))]
+    assert not missing, (f"JAX {jax.__version__}'s {module.__name__} lacks {missing}, which "
+                         f"reprules._builtin_packs.jax_pallas_ops lists for {function}: renamed in JAX?")
+    getattr(pack, function)(module)
+    registered = {reg.kernel() for reg in reprules.registered().values()}
+    assert all(getattr(module, name) in registered for name in pack.KERNELS[function])
+
+
+def test_a_kernel_missing_from_the_module_is_reported_not_skipped():
+    """The pack registers what it finds, then raises naming what it did not find
+    (the import hook turns that into a PackWarning and a failed pack status)."""
+    module = types.ModuleType("fake_ops.softmax_renamed")
+    with pytest.raises(LookupError, match=r"(?s)fake_ops\.softmax_renamed in JAX .* has no _vmappable_softmax_kernel.*Fix:"):
+        pack.softmax(module)
+
+    def layer_norm_forward_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    module.layer_norm_forward_kernel = layer_norm_forward_kernel
+    with pytest.raises(LookupError, match="has no layer_norm_backward_kernel_dx, layer_norm_backward_kernel_dw_db"):
+        pack.layer_norm(module)
+    assert [reg.kernel() for reg in reprules.registered().values()] == [layer_norm_forward_kernel]
+
+
+@pytest.mark.parametrize("function", sorted(OP_MODULES))
 def test_pack_entry_points(function):
     """Each pack function is declared (installed metadata) for every module path it covers."""
     from importlib.metadata import entry_points
 
     declared = {ep.name: ep.value for ep in entry_points(group="reprules.rules")}
-    for path in PACKS[function]:
+    for path, _, _ in OP_MODULES[function]:
         assert declared.get(f"{OPS}.{path}") == f"reprules._builtin_packs.jax_pallas_ops:{function}"

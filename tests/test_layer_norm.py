@@ -13,19 +13,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
+from helpers import JAX_VERSION, count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
 
 
 def _layer_norm_module():
-    for path in (
-        "jax.experimental.pallas.ops.gpu.layer_norm",  # 0.4.31+
-        "jax.experimental.pallas.ops.layer_norm",  # 0.4.28 - 0.4.30
-    ):
-        try:
-            return importlib.import_module(path)
-        except ImportError:
-            continue
-    pytest.skip(f"JAX {jax.__version__} has no Pallas layer_norm op")
+    """Every supported JAX has the op: ``ops.layer_norm`` in 0.4.28, ``ops.gpu.layer_norm`` from 0.4.29."""
+    path = "layer_norm" if JAX_VERSION < (0, 4, 29) else "gpu.layer_norm"
+    return importlib.import_module(f"jax.experimental.pallas.ops.{path}")
 
 
 @pytest.fixture

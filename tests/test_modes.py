@@ -3,32 +3,15 @@
 import jax
 import pytest
 from jax.core import ShapedArray
-from jax.experimental import pallas as pl
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import NEW_SHARD_MAP, make_mesh, max_err, put, randn, shard_map
+from helpers import NEW_SHARD_MAP, copy_kernel, kernel_copy, make_mesh, max_err, put, randn, shard_map
 from reprules import rules
 
 pytest_plugins = ["pytester"]
-
-
-def copy_kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...]
-
-
-def copy(x):
-    return pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
-
-
-@jax.custom_vjp
-def kernel_copy(x):
-    return copy(x)
-
-
-kernel_copy.defvjp(lambda x: (copy(x), None), lambda _, g: (copy(g),))
 
 
 @pytest.fixture
@@ -128,21 +111,16 @@ def test_verify_environment_variable_fails_the_test_through_the_plugin(pytester)
         import sys
         sys.path.insert(0, %r)
         import jax
-        from jax.experimental import pallas as pl
         from jax.sharding import PartitionSpec as P
         import reprules
         from reprules import rules
-        from helpers import make_mesh, put, randn, shard_map
-
-        def copy_kernel(x_ref, o_ref):
-            o_ref[...] = x_ref[...]
+        from helpers import copy, copy_kernel, make_mesh, put, randn, shard_map
 
         def test_lie():
             reprules.replication_rule(rules.invariant("data"))(copy_kernel)
             mesh = make_mesh()
             x = put(randn(0, (8, 128)), mesh, P("data", None))
-            body = lambda x: pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
-            jax.block_until_ready(jax.jit(shard_map(body, mesh, P("data", None), P("data", None)))(x))
+            jax.block_until_ready(jax.jit(shard_map(copy, mesh, P("data", None), P("data", None)))(x))
         """ % str(__import__("pathlib").Path(__file__).parent)
     )
     monkeypatch = pytest.MonkeyPatch()

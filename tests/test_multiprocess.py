@@ -28,7 +28,8 @@ import pytest
 
 import _multiprocess_worker as worker
 import reprules
-from helpers import JAX_VERSION
+from helpers import JAX_VERSION, copy_kernel
+from reprules._workloads import matmul_kernel
 
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 4
@@ -123,8 +124,8 @@ def runs(tmp_path_factory):
             single[name] = (float(loss), [np.asarray(g) for g in jax.tree_util.tree_leaves(grads)],
                             step.reference(), step.psum_axes)
     finally:
-        reprules.unregister(worker.copy_kernel)
-        reprules.unregister(worker.matmul_kernel)
+        reprules.unregister(copy_kernel)
+        reprules.unregister(matmul_kernel)
     return processes, single
 
 

@@ -30,7 +30,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
-from helpers import NEW_SHARD_MAP, make_mesh, put, randn, shard_map
+from helpers import NEW_SHARD_MAP, env_with_cpu_devices, make_mesh, put, randn, shard_map
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -167,9 +167,7 @@ def _differences(a, b, debug_info=True):
 def test_import_reprules_changes_nothing():
     """In a fresh process: the texts before ``import reprules``, and after it
     (with reprules.testing and the pytest plugin module) are identical."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = env_with_cpu_devices(8)
     result = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=HERE, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -197,6 +195,8 @@ def _jax_state():
     """Every attribute of the JAX objects reprules may patch, by identity."""
     from jax._src import custom_derivatives
     from jax._src.interpreters import mlir as mlir_internal
+    from jax._src import core
+    from jax._src.pallas import core as pallas_core_mod
     from jax._src.pallas import pallas_call as pallas_call_mod
     from jax.experimental import pallas as pl_mod
 
@@ -204,7 +204,7 @@ def _jax_state():
 
     objects = {"pallas_call_p": _common.pallas_call_p(), "scale_p": scale_p,
                "pallas_call module": pallas_call_mod, "pallas module": pl_mod,
-               "custom_derivatives": custom_derivatives}
+               "pallas core module": pallas_core_mod, "custom_derivatives": custom_derivatives}
     ffi_p = _common.ffi_call_p()
     if ffi_p is not None:
         objects["ffi_call_p"] = ffi_p
@@ -217,6 +217,9 @@ def _jax_state():
     for table in ("_check_rules", "_rewrite_rules"):
         if sm is not None and hasattr(sm, table):
             state[table] = {repr(k): id(v) for k, v in getattr(sm, table).items()}
+    if sm is not None and hasattr(sm, "shard_map_p"):
+        state["shard_map_p"] = {k: id(v) for k, v in vars(sm.shard_map_p).items()}
+    state["custom typechecks"] = {repr(k): id(v) for k, v in core.custom_typechecks.items()}
     return state
 
 

@@ -10,8 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 FAKE_DIST = {
     "fakepack-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: fakepack\nVersion: 1.0\n",
     "fakepack-1.0.dist-info/entry_points.txt": textwrap.dedent(
@@ -103,8 +101,8 @@ def test_broken_pack_is_reported_and_never_breaks_imports(tmp_path):
 def test_builtin_pack_makes_jax_layer_norm_work_with_only_reprules_installed(tmp_path):
     out = run(
         """
-        import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        from reprules import testing
+        testing.fake_cpu_devices(8)
         import warnings; warnings.simplefilter("ignore", DeprecationWarning)
         import numpy as np, jax
         from jax.sharding import PartitionSpec as P

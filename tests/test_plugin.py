@@ -14,27 +14,12 @@ pytest_plugins = ["pytester"]
 PLUGIN = ("-p", "no:reprules", "-p", "reprules._pytest_plugin")
 
 MODEL = '''
+import sys
+sys.path.insert(0, %r)
 import jax, jax.numpy as jnp, numpy as np, pytest
-from jax.experimental import pallas as pl
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-def copy_kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...]
-
-def _copy(x):
-    return pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
-
-@jax.custom_vjp
-def kernel_copy(x):
-    return _copy(x)
-
-kernel_copy.defvjp(lambda x: (_copy(x), None), lambda _, g: (_copy(g),))
-
-def shard_map(f, mesh, i, o, check):
-    if hasattr(jax, "shard_map") and not jax.__version__.startswith(("0.4", "0.5")):
-        return jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, check_vma=check)
-    from jax.experimental.shard_map import shard_map as sm
-    return sm(f, mesh, i, o, check_rep=check)
+from helpers import copy_kernel, kernel_copy
+from reprules.testing import shard_map
 
 def model(check):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
@@ -42,7 +27,7 @@ def model(check):
     w = jnp.asarray(np.random.RandomState(0).randn(8, 128), jnp.float32)
     f = shard_map(kernel_copy, mesh, P("data", None), P("data", None), check)
     return jax.grad(lambda x: (f(x) * w).sum()), x
-'''
+''' % str(pathlib.Path(__file__).parent)
 
 
 def test_entry_point_is_declared():

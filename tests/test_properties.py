@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import reprules  # noqa: E402
-from helpers import shard_map  # noqa: E402
+from helpers import NEW_SHARD_MAP, psum_axes, shard_map  # noqa: E402
 from reprules import rules, testing  # noqa: E402
 
 _COMMON = dict(deadline=None, print_blob=True, database=None,
@@ -310,29 +310,6 @@ def needed_psums(ex: Example):
     return sorted(tuple(sorted(s)) for s in outputs + inputs if s)
 
 
-def psum_axes(fn, *args):
-    """Sorted axes of every psum of ``fn``'s jaxpr, sub-jaxprs included.
-
-    Walks the jaxpr objects: the printed jaxpr breaks long params over lines.
-    """
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("psum", "psum2", "psum_invariant"):
-                axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-                axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-                found.append(tuple(sorted(a for a in axes if isinstance(a, str))))
-            for value in eqn.params.values():
-                for item in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(item, "jaxpr", item)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return sorted(found)
-
-
 # --- building and running an example ---------------------------------------------------
 
 
@@ -407,10 +384,9 @@ def test_out_specs_claiming_absent_replication_are_refused_by_jax(kernel, data):
     assert dropped in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "custom_vjp cotangent convention: a bwd output that adds a cotangent replicated over an axis to "
-    "one varying over it is psummed over that axis, so the replicated part counts axis-size times "
-    "(JAX <= 0.5 does the same itself; JAX >= 0.6.2 refuses such cotangents, reprules psums them)"))
+@pytest.mark.xfail(not NEW_SHARD_MAP, strict=True, reason=(
+    "JAX <= 0.5 psums custom_vjp cotangents itself under check_rep: a bwd output that adds a "
+    "cotangent replicated over an axis to one varying over it is over-counted (issue 10)"))
 def test_bwd_mixing_replicated_and_varying_cotangents():
     """Two outputs, the second varying over ``a`` (a per-output rule), the
     bwd adds their cotangents: the gradient is ``t0 + t1[:, :4] + t1[:, 4:]``."""
@@ -425,5 +401,9 @@ def test_bwd_mixing_replicated_and_varying_cotangents():
         s, p = f(x, w)
         return jnp.sum(s * t0) + jnp.sum(p * t1)
 
+    if NEW_SHARD_MAP:  # from 0.6: refused, never over-counted
+        with pytest.raises(reprules.CotangentError, match=r"(?s)mixes in a part that was replicated over 'a'.*Fix:"):
+            jax.jit(jax.grad(loss))(x, w)
+        return
     dx = jax.jit(jax.grad(loss))(x, w)
     np.testing.assert_allclose(np.asarray(dx), t0 + (t1[:, :4] + t1[:, 4:]) * w)  # 41; 42 is got

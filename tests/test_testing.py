@@ -5,28 +5,11 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import JAX_VERSION, make_mesh, put, randn, shard_map
+from helpers import JAX_VERSION, copy_kernel, kernel_copy, make_mesh, put, randn, shard_map
 from reprules import testing
-
-
-def copy_kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...]
-
-
-def _copy(x):
-    return pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
-
-
-@jax.custom_vjp
-def kernel_copy(x):
-    return _copy(x)
-
-
-kernel_copy.defvjp(lambda x: (_copy(x), None), lambda _, g: (_copy(g),))
 
 
 @pytest.fixture(scope="module")
@@ -171,21 +154,60 @@ def test_jaxpr_only_dead_all_reduce_is_ignored_by_default():
     import reprules
     from reprules import testing
 
+    from jax.experimental import pallas as pl
+
+    def mul_kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = x_ref[...] * w_ref[...]
+
+    def kernel_mul(x, w):
+        return pl.pallas_call(mul_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x, w)
+
     @jax.custom_vjp
     def mul(x, w):
-        return x * w
+        return kernel_mul(x, w)
 
-    mul.defvjp(lambda x, w: (x * w, (x, w)), lambda r, g: (g * r[1], (g * r[0]).sum(0)))
-
-    def unrelated_kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...]
-
-    reprules.replication_rule()(unrelated_kernel)  # activate reprules (custom_vjp cotangents)
+    mul.defvjp(lambda x, w: (kernel_mul(x, w), (x, w)), lambda r, g: (g * r[1], (g * r[0]).sum(0, keepdims=True)))
+    reprules.replication_rule()(mul_kernel)  # the custom_vjp's weight cotangent gets psummed
     mesh = make_mesh()
-    x, w = put(randn(0, (16, 32)), mesh, P("data", None)), put(randn(1, (32,)), mesh, P())
+    x, w = put(randn(0, (16, 32)), mesh, P("data", None)), put(randn(1, (1, 32)), mesh, P())
     f = shard_map(mul, mesh, (P("data", None), P()), P("data", None))
     grad_x = jax.grad(lambda x: f(x, w).sum())
     report = testing.assert_no_all_reduce(grad_x, x)
     assert [c.levels for c in report.select("all-reduce")] == [("jaxpr",)]
     with pytest.raises(testing.CollectivesAssertionError, match="all-reduce"):
         testing.assert_no_all_reduce(grad_x, x, levels=("jaxpr",))
+
+
+# --- the setup helpers: fake_cpu_devices and shard_map -------------------------------------
+
+
+def test_xla_flags_keep_one_device_count():
+    from reprules._environment import with_device_count
+
+    flags = "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2 --xla_bar"
+    assert with_device_count(flags, 8) == "--xla_cpu_foo=1 --xla_bar --xla_force_host_platform_device_count=8"
+    assert with_device_count("", 4) == "--xla_force_host_platform_device_count=4"
+
+
+def test_fake_cpu_devices_after_the_backend_started():
+    testing.fake_cpu_devices(8)  # the count the backend started with (tests/conftest.py): nothing to do
+    with pytest.raises(reprules.ReprulesError,
+                       match=r"(?s)fake_cpu_devices\(4\): a JAX backend already started with 8 CPU devices.*Fix:"):
+        testing.fake_cpu_devices(4)
+    with pytest.raises(reprules.ReprulesError, match="at least 1, got 0"):
+        testing.fake_cpu_devices(0)
+
+
+def test_the_tests_helpers_agree_with_reprules_testing():
+    """tests/helpers.py keeps its own copies (it must not import reprules); same rules."""
+    import helpers
+    from reprules._environment import jax_version, version_tuple
+
+    assert helpers.JAX_VERSION == jax_version()
+    assert version_tuple("0.5.0rc1") == (0, 5, 0) and version_tuple("0.12.0.1") > version_tuple("0.12.0")
+    mesh = make_mesh()
+    x = put(randn(0, (8, 128)), mesh, P("data", None))
+    for check in (True, False):
+        ours = jax.make_jaxpr(testing.shard_map(jnp.sin, mesh, P("data", None), P("data", None), check=check))(x)
+        theirs = jax.make_jaxpr(helpers.shard_map(jnp.sin, mesh, P("data", None), P("data", None), check=check))(x)
+        assert str(ours) == str(theirs)

@@ -18,8 +18,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from _multiprocess_worker import psum_axes_of
-from helpers import JAX_VERSION, make_mesh, put, randn, shard_map
+from helpers import JAX_VERSION, make_mesh, psum_axes_of, put, randn, shard_map
 from reprules import _shim, rules
 
 N_KERNELS = 8
@@ -99,7 +98,7 @@ def _rule(i, round_):
 @tracing_in_threads
 def test_registration_and_tracing_from_several_threads(inputs):
     mesh, x, w = inputs
-    reprules.replication_rule()(keeper_kernel)  # the registry never empties (see the xfail below)
+    reprules.replication_rule()(keeper_kernel)  # the registry never empties: JAX stays patched throughout
     kernels = [make_kernel(i) for i in range(N_KERNELS)]
     start = threading.Barrier(N_KERNELS)
 
@@ -163,24 +162,52 @@ def test_concurrent_register_and_unregister_keep_the_registry_consistent():
     assert _shim.active()
 
 
+class _WatchedLock:
+    """``_shim.lock`` as the façade takes it, announcing each thread that asks for it."""
+
+    def __init__(self, lock, on_acquire):
+        self._lock, self._on_acquire = lock, on_acquire
+
+    def __enter__(self):
+        self._on_acquire(threading.current_thread())
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
 def test_unregistering_the_last_kernel_while_another_thread_registers(monkeypatch):
-    """The interleaving made deterministic: ``deactivate`` is held until the
-    other thread's registration returned (at most 2 s)."""
+    """The interleaving made deterministic: thread A unregisters the last kernel
+    and, inside ``deactivate``, waits until thread B asks for the lock to
+    register another kernel. B must then wait for A's deactivation and activate
+    JAX's patches again, so b ends registered with JAX patched."""
     a, b = make_kernel(0), make_kernel(1)
     reprules.replication_rule()(a)
-    b_registered = threading.Event()
-    deactivate = _shim.deactivate
+    in_deactivate, b_asks_for_lock = threading.Event(), threading.Event()
+    deactivate, errors = _shim.deactivate, []
 
     def held_deactivate():
-        b_registered.wait(2)
+        in_deactivate.set()
+        if not b_asks_for_lock.wait(TIMEOUT_S):
+            errors.append("thread B never asked for the registry lock")
         deactivate()
 
+    def on_acquire(thread):
+        if thread.name == "register-b":
+            b_asks_for_lock.set()
+
     monkeypatch.setattr(_shim, "deactivate", held_deactivate)
-    thread = threading.Thread(target=reprules.unregister, args=(a,))
-    thread.start()
-    reprules.replication_rule()(b)
-    b_registered.set()
-    thread.join(timeout=30)
+    monkeypatch.setattr(_shim, "lock", _WatchedLock(_shim.lock, on_acquire))
+    thread_a = threading.Thread(target=reprules.unregister, args=(a,), name="unregister-a")
+    thread_b = threading.Thread(target=reprules.replication_rule(), args=(b,), name="register-b")
+    thread_a.start()
+    assert in_deactivate.wait(TIMEOUT_S), "unregistering the last kernel did not deactivate"
+    thread_b.start()  # A holds the lock inside deactivate until B asks for it
+    for thread in (thread_a, thread_b):
+        thread.join(timeout=TIMEOUT_S)
+        assert not thread.is_alive(), f"{thread.name} did not finish"
     monkeypatch.undo()
+    assert not errors, errors
     assert list(reprules.registered()) == [f"{__name__}.scale_kernel_1"]
     assert _shim.active(), "b is registered but every JAX patch was undone"

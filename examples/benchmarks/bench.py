@@ -45,12 +45,9 @@ Run (8 fake CPU devices are set up by the script itself):
 
 from __future__ import annotations
 
-import os
-import re
+from reprules import testing
 
-os.environ["XLA_FLAGS"] = (re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-                           + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+testing.fake_cpu_devices(8)  # first thing: 8 fake CPU devices, before JAX starts
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -58,6 +55,7 @@ import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -73,7 +71,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import reprules  # noqa: E402
-from reprules import rules, testing  # noqa: E402
+from reprules import rules  # noqa: E402
 
 VARIANTS = ("off", "reprules", "hand")
 MESH_SHAPE, MESH_AXES = (4, 2), ("data", "model")
@@ -90,14 +88,6 @@ else:  # <= 0.5: no way to type a kernel's output as varying
     HAND = None
 HAND_UNAVAILABLE = None if HAND else (
     f"JAX {jax.__version__} has no vma=/manual_axis_type= on jax.ShapeDtypeStruct (added in JAX 0.6)")
-
-
-def shard_map(f: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any, check: bool) -> Callable[..., Any]:
-    if hasattr(jax, "shard_map"):  # JAX >= 0.6
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
-    from jax.experimental.shard_map import shard_map as old_shard_map  # JAX <= 0.5
-
-    return old_shard_map(f, mesh, in_specs, out_specs, check_rep=check)
 
 
 def varying(x: Any) -> frozenset[str]:
@@ -201,7 +191,7 @@ def activation_workload(small: bool) -> Workload:
             return layer(x, w)
 
         # Each layer is its own shard_map around the kernel call, as in JAX #21855.
-        f = shard_map(body, mesh, (P("data", None), P()), P("data", None), variant != "off")
+        f = testing.shard_map(body, mesh, (P("data", None), P()), P("data", None), variant != "off")
 
         def loss(x: Any, ws: Any, t: Any) -> Any:
             for w in ws:
@@ -264,8 +254,8 @@ def tp_mlp_workload(small: bool) -> Workload:
             hidden = jax.nn.relu(mm(x, w1))  # columns of w1 on `model`
             return jax.lax.psum(mm(hidden, w2), "model")  # rows of w2 on `model`: partial sums
 
-        f = shard_map(body, mesh, (P("data", None), P(None, "model"), P("model", None)), P("data", None),
-                      variant != "off")
+        f = testing.shard_map(body, mesh, (P("data", None), P(None, "model"), P("model", None)), P("data", None),
+                              variant != "off")
 
         def loss(w1: Any, w2: Any, x: Any, t: Any) -> Any:
             return jnp.mean((f(x, w1, w2) - t) ** 2)
@@ -306,7 +296,7 @@ def layer_norm_workload(small: bool) -> Workload:
         def body(x: Any, w: Any, b: Any) -> Any:
             return ln.layer_norm(x, w, b, interpret=True)
 
-        f = shard_map(body, mesh, (P("data", None, None), P(), P()), P("data", None, None), variant != "off")
+        f = testing.shard_map(body, mesh, (P("data", None, None), P(), P()), P("data", None, None), variant != "off")
 
         def loss(x: Any, w: Any, b: Any, t: Any) -> Any:
             return (f(x, w, b) * t).sum()

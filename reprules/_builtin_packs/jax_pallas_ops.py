@@ -3,7 +3,12 @@
 Each function is an entry point of the ``reprules.rules`` group, named after
 the op module it covers, and is called with that module right after it is
 imported. It registers rules on the op's kernel functions as they are, with no
-copy or edit of JAX's code. Kernels an installed JAX does not have are skipped.
+copy or edit of JAX's code. The kernels of each op are listed in
+:data:`KERNELS`; one the installed JAX's module lacks (renamed or removed in
+JAX) is reported, not skipped silently: the others are registered, then the
+pack raises, so the import shows a ``PackWarning`` naming it and
+``reprules.packs()`` marks the pack failed (tests/test_jax_pallas_ops.py fails
+on every JAX where such a name is missing).
 
 Every kernel covered here computes each block of its outputs from blocks of
 its inputs on one device and never communicates, so its outputs vary over the
@@ -24,84 +29,93 @@ from types import ModuleType
 import reprules
 from reprules import rules
 
+# The kernels each pack function registers, by their names in the op module.
+KERNELS: dict[str, tuple[str, ...]] = {
+    "layer_norm": ("layer_norm_forward_kernel", "layer_norm_backward_kernel_dx", "layer_norm_backward_kernel_dw_db"),
+    "rms_norm": ("rms_norm_forward_kernel", "rms_norm_backward_kernel_dx", "rms_norm_backward_kernel_dw_db"),
+    "softmax": ("_vmappable_softmax_kernel",),
+    "attention": ("mha_forward_kernel", "_preprocess_backward_kernel", "mha_backward_kernel"),
+    "decode_attention": ("attn_forward_kernel",),
+    "paged_attention_gpu": ("paged_attention_kernel",),
+    "splash_attention": ("flash_attention_kernel", "_flash_attention_dq_kernel", "_flash_attention_dkv_kernel"),
+    "flash_attention_tpu": ("_flash_attention_kernel", "_flash_attention_dkv_kernel", "_flash_attention_dq_kernel"),
+    "matmul_tpu": ("matmul_kernel",),
+    "example_kernel_tpu": ("double_kernel",),
+}
 
-def _register(module: ModuleType, rule: rules.RuleLike, *names: str) -> None:
-    for name in names:
+
+def _register(module: ModuleType, rule: rules.RuleLike, function: str) -> None:
+    """Registers ``rule`` on every kernel of ``KERNELS[function]``; raises after if any is missing."""
+    missing = []
+    for name in KERNELS[function]:
         kernel = getattr(module, name, None)
-        if kernel is not None:
+        if kernel is None:
+            missing.append(name)
+        else:
             reprules.replication_rule(rule)(kernel)
+    if missing:
+        import jax
+
+        raise LookupError(
+            f"{module.__name__} in JAX {jax.__version__} has no {', '.join(missing)}: renamed or removed "
+            "in JAX, so calls of it get no rule (the module's other kernels have theirs).\n"
+            "Fix: upgrade reprules; until then, register the renamed kernel yourself with "
+            "reprules.replication_rule(rules.same())(kernel)."
+        )
 
 
 def layer_norm(module: ModuleType) -> None:
-    """``ops.gpu.layer_norm`` (0.4.31+) and ``ops.layer_norm`` (0.4.28-0.4.30).
+    """``ops.gpu.layer_norm`` (0.4.29+) and ``ops.layer_norm`` (0.4.28).
 
     Every row is normalised on its own device; the dw/db kernel sums over the
     local rows, so its outputs vary like the input (the psum over the batch
     axes is then inserted by the custom_vjp cotangent handling).
     """
-    _register(
-        module,
-        rules.same(),
-        "layer_norm_forward_kernel",
-        "layer_norm_backward_kernel_dx",
-        "layer_norm_backward_kernel_dw_db",
-    )
+    _register(module, rules.same(), "layer_norm")
 
 
 def rms_norm(module: ModuleType) -> None:
-    """``ops.gpu.rms_norm`` (0.4.31+) and ``ops.rms_norm`` (0.4.28-0.4.30).
+    """``ops.gpu.rms_norm`` (0.4.29+) and ``ops.rms_norm`` (0.4.28).
 
     As :func:`layer_norm`: per-row forward and dx kernels; the dw/db kernel
     sums over the local rows (psummed over the batch axes by the custom_vjp
     cotangent handling).
     """
-    _register(
-        module,
-        rules.same(),
-        "rms_norm_forward_kernel",
-        "rms_norm_backward_kernel_dx",
-        "rms_norm_backward_kernel_dw_db",
-    )
+    _register(module, rules.same(), "rms_norm")
 
 
 def softmax(module: ModuleType) -> None:
-    """``ops.gpu.softmax`` (0.4.31+) and ``ops.softmax`` (0.4.28-0.4.30): one row per program."""
-    _register(module, rules.same(), "_vmappable_softmax_kernel")
+    """``ops.gpu.softmax`` (0.4.29+) and ``ops.softmax`` (0.4.28): one row per program."""
+    _register(module, rules.same(), "softmax")
 
 
 def attention(module: ModuleType) -> None:
-    """``ops.gpu.attention`` (0.4.31+) and ``ops.attention`` (0.4.28-0.4.30): ``mha``.
+    """``ops.gpu.attention`` (0.4.29+) and ``ops.attention`` (0.4.28): ``mha``.
 
     Forward, backward-preprocess (delta) and backward (dq, dk, dv) kernels work
     per (batch, head) on local blocks; with batch or heads sharded every input
     and output varies alike.
     """
-    _register(
-        module,
-        rules.same(),
-        "mha_forward_kernel",
-        "_preprocess_backward_kernel",
-        "mha_backward_kernel",
-    )
+    _register(module, rules.same(), "attention")
 
 
 def decode_attention(module: ModuleType) -> None:
-    """``ops.gpu.decode_attention`` (0.5+): ``mqa`` and ``gqa`` (one kernel, vmapped over batch).
+    """``ops.gpu.decode_attention`` (0.4.29+): ``mqa`` and ``gqa`` (one kernel, vmapped over batch).
 
     The kernel returns per-split partial outputs and softmax statistics that
     the op combines in plain JAX, all per batch element.
     """
-    _register(module, rules.same(), "attn_forward_kernel")
+    _register(module, rules.same(), "decode_attention")
 
 
 def paged_attention_gpu(module: ModuleType) -> None:
-    """``ops.gpu.paged_attention`` (0.5+).
+    """``ops.gpu.paged_attention`` (0.5.1+).
 
     The page pool (``k_pages``/``v_pages``) is read whole on each device and
     the block tables and lengths are per sequence: the output varies like the
     union (the sharded batch), and a replicated pool is cast up for free.
     """
-    _register(module, rules.same(), "paged_attention_kernel")
+    _register(module, rules.same(), "paged_attention_gpu")
 
 
 def splash_attention(module: ModuleType) -> None:
@@ -112,13 +126,7 @@ def splash_attention(module: ModuleType) -> None:
     shared k/v are replicated while query heads are sharded, so dk/dv vary
     over the head axes and are psummed over exactly those axes.
     """
-    _register(
-        module,
-        rules.same(),
-        "flash_attention_kernel",
-        "_flash_attention_dq_kernel",
-        "_flash_attention_dkv_kernel",
-    )
+    _register(module, rules.same(), "splash_attention")
 
 
 def flash_attention_tpu(module: ModuleType) -> None:
@@ -126,20 +134,14 @@ def flash_attention_tpu(module: ModuleType) -> None:
 
     Forward (o, l, m), dkv and dq (dq, d_bias) kernels, per (batch, head) block.
     """
-    _register(
-        module,
-        rules.same(),
-        "_flash_attention_kernel",
-        "_flash_attention_dkv_kernel",
-        "_flash_attention_dq_kernel",
-    )
+    _register(module, rules.same(), "flash_attention_tpu")
 
 
 def matmul_tpu(module: ModuleType) -> None:
-    """``ops.tpu.matmul`` (0.5+): each output tile from a row block of x and a column block of y."""
-    _register(module, rules.same(), "matmul_kernel")
+    """``ops.tpu.matmul`` (0.4.33+): each output tile from a row block of x and a column block of y."""
+    _register(module, rules.same(), "matmul_tpu")
 
 
 def example_kernel_tpu(module: ModuleType) -> None:
-    """``ops.tpu.example_kernel``: elementwise ``double``."""
-    _register(module, rules.same(), "double_kernel")
+    """``ops.tpu.example_kernel`` (0.4.28+): elementwise ``double``."""
+    _register(module, rules.same(), "example_kernel_tpu")

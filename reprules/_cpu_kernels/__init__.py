@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import os
 import pathlib
 import shutil
@@ -43,10 +44,10 @@ class KernelBuildError(ReprulesError, RuntimeError):
 
 
 def _ffi() -> Any:
-    ffi = getattr(jax, "ffi", None)  # 0.5+
+    ffi: Any = getattr(jax, "ffi", None)  # 0.5+
     if ffi is None or not hasattr(ffi, "ffi_call"):
-        try:
-            from jax.extend import ffi  # 0.4.31 - 0.4.38
+        try:  # 0.4.31 - 0.4.38 (the module is gone from the newest JAX, whose stubs mypy reads)
+            ffi = importlib.import_module("jax.extend.ffi")
         except ImportError:
             ffi = None
     if ffi is None or not hasattr(ffi, "ffi_call"):
@@ -71,23 +72,24 @@ def _compiler() -> str | None:
 
 
 def _library_path() -> pathlib.Path:
-    import jaxlib
+    from jaxlib import version as jaxlib_version
 
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + jaxlib.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + jaxlib_version.__version__.encode()).hexdigest()[:16]
     cache = pathlib.Path(os.environ.get("REPRULES_CACHE", pathlib.Path.home() / ".cache" / "reprules"))
     return cache / f"libreprules_cpu_{key}.so"
 
 
 def _build(path: pathlib.Path) -> None:
     reason = unavailable_reason()
-    if reason:
+    compiler = _compiler()
+    if reason or compiler is None:
         raise KernelBuildError(f"Cannot build reprules' CPU FFI kernels: {reason}.")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = pathlib.Path(tmp) / path.name
         command = [
-            _compiler(), "-std=c++17", "-O2", "-shared", "-fPIC",
+            compiler, "-std=c++17", "-O2", "-shared", "-fPIC",
             f"-I{_ffi().include_dir()}", str(_SOURCE), "-o", str(out),
         ]
         result = subprocess.run(command, capture_output=True, text=True)

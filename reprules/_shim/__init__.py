@@ -163,11 +163,21 @@ def deactivate() -> None:
     """Restores every patched JAX object (idempotent)."""
     global _patches
     with _lock:
-        for prim in list(_attached):
-            detach(prim)
+        pending = [_attached.pop(prim) for prim in list(_attached)][::-1]  # newest first
         if _patches is not None:
-            _patches.undo_all()
+            pending.append(_patches)
             _patches = None
+        _undo_each(pending)
+
+
+def _undo_each(pending: list[_common.Patches]) -> None:
+    """Undoes every one, even if a PatchWarning is raised as an error (``-W error``)."""
+    try:
+        if pending:
+            pending[0].undo_all()
+    finally:
+        if len(pending) > 1:
+            _undo_each(pending[1:])
 
 
 def sync_strict() -> None:
@@ -185,8 +195,8 @@ def sync_strict() -> None:
             _strict_patches = _common.Patches()
             module.install_strict(_strict_patches)
         elif not want and _strict_patches is not None:
-            _strict_patches.undo_all()
-            _strict_patches = None
+            patches, _strict_patches = _strict_patches, None
+            patches.undo_all()
 
 
 def active() -> bool:

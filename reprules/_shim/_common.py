@@ -1,14 +1,22 @@
 """Shim pieces shared by every regime: patch bookkeeping and the Pallas hooks.
 
-How a rule reaches JAX, in every version:
+How a rule reaches a ``pallas_call``, in every version, however early its call
+object was built (at import, before reprules, before the rule):
 
-1. ``pallas_call`` is wrapped at its Python entry point, where the kernel
-   *object* is still known, so the rule can be looked up by identity.
-2. While a registered kernel's call is being traced, a context variable says
-   so; a hook on ``pallas_call_p.bind`` then remembers the kernel jaxpr of that
-   bind (weakly). Primitive-level machinery (rep-regime check/rewrite rules,
-   the interpret-mode lowering fix) identifies registered calls by that jaxpr,
+1. Every call, when traced, traces its kernel through one module global of
+   ``jax._src.pallas.pallas_call``, looked up at that moment and given the
+   kernel *object*. A hook there remembers (weakly) the kernel jaxpr of a
+   registered kernel.
+2. The call then binds ``pallas_call_p`` with that jaxpr. A hook on its
+   ``bind`` finds the kernel again by the jaxpr, lets the regime apply the rule
+   (vma/mat: cast inputs up, type outputs), and marks the bind with
+   :func:`tracing`; binds made inside it (its JVP, vmap) are remembered too.
+   Primitive-level machinery (rep-regime check/rewrite rules, the
+   interpret-mode lowering fix) identifies registered calls by that jaxpr,
    since by then only the equation's params are left.
+3. vma/mat only: the out_shape conversion, which runs before the kernel is
+   known, lets an unannotated out_shape through and leaves the decision (type
+   by the rule, or JAX's own refusal as a MissingRuleError) to the bind.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -24,53 +33,132 @@ from typing import Any
 import jax
 
 from reprules._registry import Registration
+from reprules.rules import RuleContext
 
 JAX_VERSION: str = jax.__version__
 
 
 def version_tuple(version: str = JAX_VERSION) -> tuple[int, ...]:
-    parts = []
-    for p in version.split("."):
-        digits = "".join(c for c in p if c.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
+    """``(0, 12, 0, 1)`` for JAX 0.12.0.1 (by default the installed JAX); one parser for reprules."""
+    from reprules._environment import version_tuple as parse
+
+    return parse(version)
 
 
 class Patches:
-    """Attribute and dict patches that can be undone in reverse order."""
+    """Attribute and dict patches that can be undone in reverse order.
+
+    reprules owns only what it installed. Each callable it installs is wrapped
+    in a guard that runs it while these patches are live and otherwise calls
+    what it replaced. :meth:`undo_all` restores an attribute or entry only if
+    it still holds reprules' own object: if another library (a profiler,
+    another shim) wrapped it after reprules, that library's wrapper is left in
+    place, the reprules hook inside its chain passes every call through, and a
+    :class:`reprules.PatchWarning` names the attribute.
+    """
 
     _MISSING = object()
 
     def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], str | None]] = []
+        self.live = True  # False once undo_all ran: guarded hooks pass calls through
+
+    def guard(self, value: Any, fallback: Callable[[], Any]) -> Any:
+        """``value`` if not a plain callable, else a function that calls it while
+        these patches are live and ``fallback()`` (what it replaced) after."""
+        if not callable(value) or isinstance(value, (type, staticmethod, classmethod)):
+            return value
+        if getattr(value, "_reprules_guard", None) is self:
+            return value
+
+        @functools.wraps(value)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self.live:
+                return value(*args, **kwargs)
+            return fallback()(*args, **kwargs)
+
+        setattr(guarded, "_reprules_guard", self)  # marks the wrapper as ours (functions take attributes)
+        return guarded
 
     def setattr(self, obj: Any, name: str, value: Any) -> None:
-        old = obj.__dict__.get(name, self._MISSING) if hasattr(obj, "__dict__") else getattr(obj, name)
+        has_dict = hasattr(obj, "__dict__")
+        old = obj.__dict__.get(name, self._MISSING) if has_dict else getattr(obj, name)
+        installed = self.guard(value, lambda: _replaced_attr(obj, name, old, self._MISSING))
 
-        def undo() -> None:
+        def undo() -> str | None:
+            now = obj.__dict__.get(name, self._MISSING) if has_dict else getattr(obj, name, self._MISSING)
+            if now is not installed:
+                return f"{_label(obj)}.{name}"
             if old is self._MISSING:
                 delattr(obj, name)
             else:
                 setattr(obj, name, old)
+            return None
 
-        setattr(obj, name, value)
+        setattr(obj, name, installed)
         self._undo.append(undo)
 
-    def setitem(self, mapping: Any, key: Any, value: Any) -> None:
+    def setitem(self, mapping: Any, key: Any, value: Any, label: str = "") -> None:
         old = mapping.get(key, self._MISSING)
+        # An entry that was absent has nothing to fall back on: reprules' dict
+        # hooks defer to JAX for calls without a rule, and none is left then.
+        installed = self.guard(value, lambda: value if old is self._MISSING else old)
 
-        def undo() -> None:
+        def undo() -> str | None:
+            if mapping.get(key, self._MISSING) is not installed:
+                return label or f"the JAX table entry for {key!r}"
             if old is self._MISSING:
                 mapping.pop(key, None)
             else:
                 mapping[key] = old
+            return None
 
-        mapping[key] = value
+        mapping[key] = installed
         self._undo.append(undo)
 
     def undo_all(self) -> None:
+        """Restores what reprules still owns, newest first; warns once about the rest."""
+        self.live = False
+        left: list[str] = []
         while self._undo:
-            self._undo.pop()()
+            what = self._undo.pop()()
+            if what is not None:
+                left.append(what)
+        if left:
+            import warnings
+
+            from reprules._errors import PatchWarning, patch_left_message
+
+            warnings.warn(PatchWarning(patch_left_message(left, JAX_VERSION)), stacklevel=3)
+
+
+def _replaced_attr(obj: Any, name: str, old: Any, missing: object) -> Any:
+    """What attribute ``name`` of ``obj`` was before reprules set it, as the
+    guard must call it (a class attribute is called with ``self`` already)."""
+    if old is not missing:
+        return old
+    if isinstance(obj, type):  # inherited: the base class's function, unbound
+        for klass in obj.__mro__[1:]:
+            if name in vars(klass):
+                return vars(klass)[name]
+    else:  # an instance shadowing its class (Primitive.bind): bound to it
+        for klass in type(obj).__mro__:
+            if name in vars(klass):
+                attr = vars(klass)[name]
+                return attr.__get__(obj, type(obj)) if hasattr(attr, "__get__") else attr
+    raise AttributeError(f"{_label(obj)} had no attribute {name!r} before reprules set it")
+
+
+def _label(obj: Any) -> str:
+    """``module``, ``module.Class`` or ``Class 'name'`` (a primitive) for messages."""
+    import types
+
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    if isinstance(obj, type):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    name = getattr(obj, "name", None)
+    return f"{type(obj).__name__} {name!r}" if isinstance(name, str) else type(obj).__name__
 
 
 # --- which pallas_call equations belong to registered kernels -----------------
@@ -83,10 +171,94 @@ _tracing: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.Context
 )
 _by_jaxpr: weakref.WeakKeyDictionary[Any, Callable[[], Any]] = weakref.WeakKeyDictionary()
 _by_jaxpr_lock = threading.Lock()
+# Kernel jaxprs traced straight from a registered kernel (not a JVP or vmap of one):
+# the binds the regimes apply rules at.
+_direct: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _remember(jaxpr: Any, kernel_ref: Callable[[], Any], direct: bool) -> None:
+    with _by_jaxpr_lock:
+        _by_jaxpr[jaxpr] = kernel_ref
+        if direct:
+            _direct.add(jaxpr)
+
+
+class Watch:
+    """Set when a registered kernel's call is traced inside :func:`watching`."""
+
+    __slots__ = ("involved",)
+
+    def __init__(self) -> None:
+        self.involved = False
+
+
+_watches: contextvars.ContextVar[tuple[Watch, ...]] = contextvars.ContextVar(
+    "reprules_watches", default=()
+)
+
+
+@contextlib.contextmanager
+def watching(watch: Watch) -> Iterator[None]:
+    """Marks ``watch`` if a registered kernel is called while this is open
+    (how a ``custom_vjp`` learns that its fwd or bwd involves one)."""
+    token = _watches.set((*_watches.get(), watch))
+    try:
+        yield
+    finally:
+        _watches.reset(token)
+
+
+def note_registered_call() -> None:
+    """Called by every hook that applies a rule to a call being traced."""
+    for watch in _watches.get():
+        watch.involved = True
+
+
+def jaxpr_calls_registered(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (or any jaxpr inside it) calls a kernel that has a rule."""
+    from reprules._registry import lookup
+    from reprules._shim import core_map
+
+    ffi = ffi_opaque()
+    seen: set[int] = set()
+
+    def registered(eqn: Any) -> bool:
+        prim = eqn.primitive
+        if prim is pallas_call_p():
+            return registration_of(eqn.params) is not None
+        if core_map.is_kernel_primitive(prim):  # pl.kernel
+            return core_map.registration_of(eqn.params) is not None
+        if ffi is not None and prim is ffi.prim:
+            return ffi.lookup(eqn.params) is not None
+        try:
+            if lookup(prim) is not None or lookup(eqn.params.get("fn")) is not None:
+                return True  # a user primitive, or a jax-triton kernel
+        except TypeError:
+            pass
+        return False
+
+    def visit(value: Any, depth: int = 0) -> bool:
+        if depth > 8 or id(value) in seen:
+            return False
+        seen.add(id(value))
+        if hasattr(value, "eqns"):
+            return any(registered(e) or visit(e.params, depth + 1) for e in value.eqns)
+        if isinstance(value, dict):
+            return any(visit(v, depth + 1) for v in value.values())
+        if isinstance(value, (tuple, list)):
+            return any(visit(v, depth + 1) for v in value)
+        inner = getattr(value, "jaxpr", None)  # ClosedJaxpr, Traced, ...
+        if inner is not None and not callable(inner):
+            return visit(inner, depth + 1)
+        params = getattr(value, "params", None)  # hijax primitives carry their own
+        return isinstance(params, dict) and visit(params, depth + 1)
+
+    return visit(jaxpr)
 
 
 @contextlib.contextmanager
 def tracing(reg: Registration) -> Iterator[None]:
+    note_registered_call()
     token = _tracing.set(reg.kernel_ref)
     try:
         yield
@@ -102,6 +274,110 @@ def registration_of(params: dict[str, Any]) -> Registration | None:
         kernel_ref = _by_jaxpr.get(params.get("jaxpr"))
     kernel = kernel_ref() if kernel_ref is not None else None
     return lookup(kernel) if kernel is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """What reprules knows about the kernel behind one opaque equation (for reports).
+
+    Attributes:
+      registration: The kernel's current registration, or None.
+      identified: Whether the equation was tied to its kernel (the kernel
+        object, the FFI target name, the primitive). False only when reprules
+        did not see the kernel's call and a registered kernel could be it.
+      candidates: When not identified, ``module.qualname`` of the registered
+        kernels it could be (same definition site).
+      site: ``file:line`` of a Pallas kernel's definition (0.4.31+), or of
+        its first traced line (0.4.28); ``""`` if unknown.
+    """
+
+    registration: Registration | None
+    identified: bool = True
+    candidates: tuple[str, ...] = ()
+    site: str = ""
+
+
+def identify(primitive: Any, params: dict[str, Any]) -> Identity:
+    """The rule behind an opaque equation, found as the checking itself finds
+    it (by identity), never by a name some other kernel also has.
+
+    A ``pallas_call`` equation is tied to its kernel only if reprules saw the
+    call being traced (a registered kernel, called after reprules activated).
+    Otherwise it has no rule, unless a registered kernel shares its definition
+    site (0.4.31+ record ``name at file:line``; on 0.4.28 the kernel jaxpr's
+    first equation made in a function of the kernel's name gives file and
+    line): then it may be that kernel, traced before its rule existed or by a
+    ``pallas_call`` made before reprules activated, or a namesake made by the
+    same factory, and the answer is "not identified".
+    """
+    import sys
+
+    from reprules._registry import FfiTarget, lookup, registrations
+    from reprules._shim import classify, core_map
+
+    found = core_map.identify(primitive, params)  # pl.kernel / pl.core_map
+    if found is not None:
+        return found
+    if primitive is pallas_call_p():
+        with _by_jaxpr_lock:
+            kernel_ref = _by_jaxpr.get(params.get("jaxpr"))
+        name = kernel_name_from_params(params)
+        site = _kernel_site(params, name)
+        site_text = f"{site[0]}:{site[1]}" if site else ""
+        if kernel_ref is not None:
+            kernel = kernel_ref()  # a dead kernel has no rule any more
+            return Identity(lookup(kernel) if kernel is not None else None, site=site_text)
+        candidates = tuple(
+            reg.where for reg in registrations()
+            if not isinstance(reg.kernel_ref(), FfiTarget) and reg.kernel() is not None
+            and classify(reg.kernel()) == "pallas" and _could_be(reg, name, site)
+        )
+        return Identity(None, identified=not candidates, candidates=candidates, site=site_text)
+    ffi = ffi_call_p()
+    if ffi is not None and primitive is ffi:
+        return Identity(lookup(FfiTarget(str(params.get("target_name")))))
+    if "jax_triton" in sys.modules:
+        triton = triton_opaque()
+        if primitive is triton.prim:
+            return Identity(triton.lookup(params))
+    return Identity(lookup(primitive))
+
+
+def _kernel_site(params: dict[str, Any], name: str) -> tuple[str, int, bool] | None:
+    """(file, line, exact) of the kernel function of a ``pallas_call_p`` equation:
+    exact when the line is the definition's first line, else a line of its body."""
+    import re
+
+    info = params.get("name_and_src_info")  # 0.4.31 - 0.4.38: "[for kernel function] f at file:line"
+    text = getattr(info, "src_info", None) if info is not None else None
+    if not text:  # 0.5+: the kernel jaxpr's "f at file:line"
+        text = getattr(getattr(params.get("jaxpr"), "debug_info", None), "func_src_info", None)
+    match = re.search(r" at (.+):(\d+)$", str(text or ""))
+    if match:
+        return match.group(1), int(match.group(2)), True
+    # 0.4.28 records no site: the kernel body's frame in its first equations.
+    for eqn in getattr(params.get("jaxpr"), "eqns", ())[:8]:
+        frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
+        for frame in frames:
+            if frame.function_name == name:
+                return frame.file_name, frame.line_num, False
+    return None
+
+
+def _could_be(reg: Registration, name: str, site: tuple[str, int, bool] | None) -> bool:
+    import inspect
+
+    kernel: Any = reg.kernel()
+    while isinstance(kernel, functools.partial):
+        kernel = kernel.func
+    code = getattr(inspect.unwrap(kernel), "__code__", None) if callable(kernel) else None
+    if site is None or code is None:
+        return reg.name == name
+    file, line, exact = site
+    if exact:
+        return bool((code.co_filename, code.co_firstlineno) == (file, line))
+    last = max((n for _, _, n in code.co_lines() if n is not None), default=code.co_firstlineno)
+    return bool(code.co_filename == file and code.co_firstlineno <= line <= last)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +400,8 @@ class Opaque:
     layout: Callable[[dict[str, Any], int], tuple[int, int | None]]
 
 
-def rule_context(reg: Registration, mesh_axes: tuple[str, ...], num_inputs: int, num_outputs: int) -> Any:
+def rule_context(reg: Registration, mesh_axes: tuple[str, ...], num_inputs: int, num_outputs: int) -> RuleContext:
     """The RuleContext of one call of ``reg``'s kernel."""
-    from reprules.rules import RuleContext
-
     return RuleContext(
         kernel_name=reg.name,
         kernel=reg.kernel(),
@@ -181,7 +455,7 @@ def ffi_call_p() -> Any | None:
         from jax._src.ffi import ffi_call_p as p
     except ImportError:
         try:  # 0.4.31 - 0.4.38
-            from jax._src.extend.ffi import ffi_call_p as p
+            from jax._src.extend.ffi import ffi_call_p as p  # type: ignore[import-not-found, no-redef]  # JAX <= 0.4.38 only
         except ImportError:  # 0.4.28 - 0.4.30: no ffi_call
             return None
     return p
@@ -237,48 +511,117 @@ def kernel_name_from_params(params: dict[str, Any]) -> str:
     return str(params.get("name") or "pallas_call")  # 0.4.28
 
 
-def install_pallas_hooks(patches: Patches, wrap_call: Callable[..., Any]) -> None:
-    """Wraps the ``pallas_call`` entry point and hooks ``pallas_call_p.bind``.
+BindHook = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any], "Registration | None", bool], Any]
+"""``on_bind(bind, args, params, reg, direct)``: binds one ``pallas_call_p``
+equation. ``reg`` is the current registration of its kernel (None: no rule),
+``direct`` whether its jaxpr was traced straight from that kernel."""
 
-    ``wrap_call(kernel, out_shape, make_call, call)`` returns the function users
-    get back from ``pallas_call(kernel, out_shape, ...)``, where ``call`` is
-    JAX's own and ``make_call(new_out_shape)`` builds JAX's own for another
-    out_shape. The kernel's rule is looked up when that function is called, so
-    a rule registered or changed in between is honoured.
+
+def traced_bind(bind: Callable[..., Any], args: tuple[Any, ...], params: dict[str, Any],
+                reg: Registration | None, direct: bool) -> Any:
+    """The plain :data:`BindHook`: a registered kernel's bind runs under :func:`tracing`."""
+    if reg is None:
+        return bind(*args, **params)
+    with tracing(reg):
+        return bind(*args, **params)
+
+
+def install_pallas_hooks(
+    patches: Patches,
+    on_bind: BindHook = traced_bind,
+    convert_out_shape: Callable[[Callable[[Any], Any], Any], Any] | None = None,
+) -> None:
+    """Hooks what every ``pallas_call`` goes through when it is traced.
+
+    These are module globals and a primitive method, looked up when a call is
+    traced, so a call object built at any time (at import, before reprules was
+    imported or the rule registered) is covered, and nothing else is.
+
+    Args:
+      patches: Where the patches are recorded (undone when the last rule goes).
+      on_bind: Binds each ``pallas_call_p`` equation (see :data:`BindHook`).
+      convert_out_shape: If given, ``convert_out_shape(original, leaf)``
+        replaces JAX's conversion of each out_shape leaf of a ``pallas_call``
+        to a type (vma/mat: where JAX refuses an unannotated out_shape).
     """
     from jax._src.pallas import pallas_call as pallas_call_mod
 
+    from reprules._registry import lookup
+
+    # 1. Kernel tracing: where the kernel object is known.
+    # Both return a tuple holding the jaxpr that the bind gets: 0.4.28
+    # (grid_mapping, jaxpr, consts, out_tree), 0.4.31 (grid_mapping, jaxpr,
+    # consts), 0.4.35 - 0.12 (jaxpr, consts).
+    if hasattr(pallas_call_mod, "_trace_kernel_to_jaxpr"):  # 0.4.31 - 0.12
+        trace_name = "_trace_kernel_to_jaxpr"
+    elif hasattr(pallas_call_mod, "_trace_to_jaxpr"):  # 0.4.28 - 0.4.30
+        trace_name = "_trace_to_jaxpr"
+    else:
+        from reprules._errors import UnsupportedJaxError
+
+        raise UnsupportedJaxError(
+            f"JAX {JAX_VERSION}'s pallas_call traces kernels through neither "
+            "_trace_kernel_to_jaxpr nor _trace_to_jaxpr.\n"
+            "Why: reprules finds the kernel of each pallas_call where JAX traces it.\n"
+            "Fix: install a JAX release reprules was tested with (0.4.28 - 0.12)."
+        )
+    original_trace = getattr(pallas_call_mod, trace_name)
+
+    def trace_kernel(fun: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_trace(fun, *args, **kwargs)
+        reg = lookup(fun)  # None for unregistered kernels and index maps
+        if reg is not None:
+            for item in result:
+                if hasattr(item, "eqns"):  # the kernel jaxpr (or a closed one, and its .jaxpr)
+                    for jaxpr in (item, getattr(item, "jaxpr", None)):
+                        if hasattr(jaxpr, "eqns"):
+                            _remember(jaxpr, reg.kernel_ref, direct=True)
+        return result
+
+    patches.setattr(pallas_call_mod, trace_name, trace_kernel)
+
+    # 2. The bind: the kernel found again by its jaxpr.
     prim = pallas_call_p()
-    original_bind = type(prim).bind
+    original_bind = functools.partial(type(prim).bind, prim)
 
     def bind(*args: Any, **params: Any) -> Any:
-        kernel_ref = _tracing.get()
-        if kernel_ref is not None and "jaxpr" in params:
-            with _by_jaxpr_lock:
-                _by_jaxpr[params["jaxpr"]] = kernel_ref
-        return original_bind(prim, *args, **params)
+        jaxpr = params.get("jaxpr")
+        with _by_jaxpr_lock:
+            kernel_ref = _by_jaxpr.get(jaxpr) if jaxpr is not None else None
+            direct = kernel_ref is not None and jaxpr in _direct
+        if kernel_ref is None:
+            kernel_ref = _tracing.get()  # bound inside a registered kernel's bind (its JVP, vmap)
+            if kernel_ref is not None and jaxpr is not None:
+                _remember(jaxpr, kernel_ref, direct=False)
+        kernel = kernel_ref() if kernel_ref is not None else None
+        reg = lookup(kernel) if kernel is not None else None
+        return on_bind(original_bind, args, params, reg, direct)
 
     patches.setattr(prim, "bind", bind)
 
-    def entry_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-        def pallas_call(kernel: Any, out_shape: Any, *args: Any, **kwargs: Any) -> Any:
-            call = original(kernel, out_shape, *args, **kwargs)
-            return wrap_call(
-                kernel, out_shape, lambda new: original(kernel, new, *args, **kwargs), call
-            )
+    # 3. The out_shape conversion (vma/mat), which runs before the kernel is traced.
+    if convert_out_shape is None:
+        return
+    from jax._src.pallas import core as pallas_core
 
-        pallas_call.__wrapped__ = original  # type: ignore[attr-defined]
-        pallas_call.__doc__ = original.__doc__
-        return pallas_call
+    # 0.6 - 0.8: a pallas_call global; 0.9+: pallas core's, also used by mpmd.
+    owner = pallas_call_mod if hasattr(pallas_call_mod, "_convert_out_shape_to_aval") else pallas_core
+    original_convert = owner._convert_out_shape_to_aval
 
-    if hasattr(pallas_call_mod, "_pallas_call"):
-        # 0.5.0+: the public pallas_call (and pl.kernel) delegate to this module
-        # global, so one patch covers callers that imported pallas_call early.
-        patches.setattr(pallas_call_mod, "_pallas_call", entry_wrapper(pallas_call_mod._pallas_call))
-    else:
-        # 0.4.28 - 0.4.38: pallas_call does everything itself.
-        import jax.experimental.pallas as pl
+    def convert(out_shape: Any) -> Any:
+        if _caller_module() != pallas_call_mod.__name__:  # 0.9+: mpmd's calls stay JAX's
+            return original_convert(out_shape)
+        return convert_out_shape(original_convert, out_shape)
 
-        wrapped = entry_wrapper(pallas_call_mod.pallas_call)
-        patches.setattr(pallas_call_mod, "pallas_call", wrapped)
-        patches.setattr(pl, "pallas_call", wrapped)
+    patches.setattr(owner, "_convert_out_shape_to_aval", convert)
+
+
+def _caller_module() -> str | None:
+    """The module of the innermost frame outside reprules (who called the hook)."""
+    import sys
+    from types import FrameType
+
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("reprules."):
+        frame = frame.f_back
+    return frame.f_globals.get("__name__") if frame is not None else None

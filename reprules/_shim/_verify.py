@@ -1,8 +1,16 @@
 """Verify mode's run-time check, inserted after each registered kernel call.
 
 For every output and every mesh axis its type calls replicated, the kernel's
-output is gathered across that axis (``all_gather``) and a host callback raises if its copies differ. Only public JAX API is used; regimes pass in how to make
-a value varying so the collectives type-check (``pbroadcast`` / ``pvary``).
+output is gathered across that axis (``all_gather``) and a host callback records
+the largest difference between its copies (``reprules.verify()`` raises on exit;
+the pytest plugin fails the test). Only public JAX API is used; regimes pass in
+how to make a value varying so the collectives type-check (``pbroadcast`` /
+``pvary``).
+
+Copies are compared like with like: an element is the same on every device when
+it is NaN on every device, or equal (``==``) on every device, so the same
+``-inf`` or ``inf`` everywhere matches too. NaN on some devices and a number on
+others is a mismatch, and so is ``inf`` against a finite number.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from reprules._shim import _common
 
 _lock = threading.Lock()
 # The largest difference seen per (kernel, output, axis) since the last take.
-_largest: dict[tuple[str, int, str], tuple[float, str]] = {}
+_largest: dict[tuple[str, int, str], tuple[tuple[float, int], str]] = {}
 
 
 def insert_checks(
@@ -36,6 +44,8 @@ def insert_checks(
         dtype = getattr(out, "dtype", None)
         if dtype is None or not (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_):
             continue
+        if getattr(out, "size", 1) == 0:
+            continue
         value = jax.lax.stop_gradient(out)
         if dtype == jnp.bool_:
             value = value.astype(jnp.int32)
@@ -44,20 +54,44 @@ def insert_checks(
                 continue
             # all_gather, not pmax/pmin: JAX 0.4.28 has no replication rule for pmax.
             gathered = jax.lax.all_gather(make_varying(value, (axis,)), axis)
-            spread = jnp.max(jnp.abs(gathered.max(axis=0) - gathered.min(axis=0)))
-            jax.debug.callback(functools.partial(_report, reg.name, repr(reg.rule), index, axis), spread)
+            jax.debug.callback(functools.partial(_report, reg.name, repr(reg.rule), index, axis),
+                               *_compare(gathered))
 
 
-def _report(kernel: str, rule: str, index: int, axis: str, spread: Any) -> None:
+def _compare(gathered: Any) -> tuple[Any, Any, Any]:
+    """(largest difference, elements that differ, elements NaN on only some
+    devices) of the copies stacked along axis 0, comparing like with like."""
+    high, low = gathered.max(axis=0), gathered.min(axis=0)
+    if jnp.issubdtype(gathered.dtype, jnp.inexact):
+        nan = jnp.isnan(gathered)
+        some_nan = nan.any(axis=0)
+        nan_mismatch = jnp.sum(some_nan & ~nan.all(axis=0))
+        differs = ~some_nan & (high != low)  # inf == inf: the same infinity everywhere matches
+    else:
+        nan_mismatch = jnp.zeros((), jnp.int32)
+        differs = high != low  # exact, even where the float difference below rounds to 0
+        high, low = high.astype(jnp.float32), low.astype(jnp.float32)
+    size = jnp.where(differs, jnp.abs(high - low), 0)  # inf against finite (or -inf): inf
+    return jnp.max(size), jnp.sum(differs), nan_mismatch
+
+
+def _report(kernel: str, rule: str, index: int, axis: str, spread: Any, differing: Any, nan_mismatch: Any) -> None:
     # Runs once per device. It records rather than raises: an exception raised
     # by several devices' callbacks leaks into later executions on JAX <= 0.5.
     # reprules.verify() raises on exit (after jax.effects_barrier()).
     largest = float(np.max(np.asarray(spread)))
-    if largest == 0.0:
+    count = int(np.max(np.asarray(differing)))
+    nans = int(np.max(np.asarray(nan_mismatch)))
+    if count == 0 and nans == 0:
         return
+    nan_text = f"NaN on some devices and not on others at {nans} element(s)"
+    if count:
+        how = f" by up to {largest:.6g} at {count} element(s)" + (f", and is {nan_text}" if nans else "")
+    else:
+        how = f": {nan_text}"
     message = (
         f"Verify mode: output {index} of kernel {kernel!r} is declared replicated over mesh axis "
-        f"{axis!r} by its rule {rule}, but it differs across {axis!r} by up to {largest:.6g} "
+        f"{axis!r} by its rule {rule}, but it differs across {axis!r}{how} "
         f"(JAX {_common.JAX_VERSION}).\n"
         "Why: the rule promises JAX a replication the kernel does not deliver; JAX then skips "
         "collectives and gradients or out_specs=P() results are silently wrong.\n"
@@ -66,8 +100,9 @@ def _report(kernel: str, rule: str, index: int, axis: str, spread: Any) -> None:
     )
     with _lock:
         key = (kernel, index, axis)
-        if key not in _largest or largest > _largest[key][0]:
-            _largest[key] = (largest, message)
+        rank = (largest, nans)
+        if key not in _largest or rank > _largest[key][0]:
+            _largest[key] = (rank, message)
 
 
 def take_mismatches() -> list[str]:

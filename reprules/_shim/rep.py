@@ -7,16 +7,19 @@ to insert ``pbroadcast``s whose transposes are the needed psums). reprules
 installs one check and one rewrite rule for ``pallas_call_p`` that dispatch to
 the kernel's own rule. The ``register_*`` helpers are first-wins
 (``setdefault``), so we write the dicts directly and restore them on removal.
+
+Rules are told only the *manual* axes of the enclosing ``shard_map``
+(:func:`manual_axes`), as from 0.6; JAX's own rules see the whole mesh.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from reprules import _errors, _modes
 from reprules._decide import decide
-from reprules._registry import lookup
+from reprules._registry import Registration
+from reprules.rules import Decision, VaryingSet
 from reprules._shim import _common, _verify
 
 NAME = "rep"
@@ -39,10 +42,13 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
     JAX has them (``ffi_call`` from 0.4.38) and raise MissingRuleError otherwise."""
     from jax.experimental import shard_map as sm
 
-    jax_check = sm._check_rules.get(op.prim)
-    jax_rewrite = sm._rewrite_rules.get(op.prim)
+    jax_check = sm._check_rules.get(op.prim)  # type: ignore[attr-defined]  # JAX <= 0.5 only
+    jax_rewrite = sm._rewrite_rules.get(op.prim)  # type: ignore[attr-defined]  # JAX <= 0.5 only
 
-    def decide_eqn(mesh: Any, in_rep: tuple[Any, ...], params: dict[str, Any]):
+    def decide_eqn(mesh: Any, in_rep: tuple[Any, ...], params: dict[str, Any]
+                   ) -> tuple[int, tuple[VaryingSet, ...], Decision, frozenset[str], Registration] | None:
+        # Reps are sets of *mesh* axes (automatic ones included: nothing varies
+        # over those); the rule sees only the manual axes.
         all_axes = frozenset(mesh.axis_names)
         reg = op.lookup(params)
         if reg is None:
@@ -51,17 +57,21 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
         # A rep of None marks a literal: replicated everywhere.
         in_vary = tuple(all_axes - r if r is not None else frozenset() for r in in_rep[first:])
         # num_out None: a multiple-results primitive, whose count is unknown here.
-        ctx = _common.rule_context(reg, mesh.axis_names, len(in_vary), 1 if num_out is None else num_out)
+        ctx = _common.rule_context(reg, manual_axes(mesh), len(in_vary), 1 if num_out is None else num_out)
         return first, in_vary, decide(reg, ctx, in_vary), all_axes, reg
 
     def missing(mesh: Any, params: dict[str, Any]) -> _errors.MissingRuleError:
-        return _errors.MissingRuleError(
+        jax_error = _jax_refusal(op.prim)
+        error = _errors.MissingRuleError(
             _errors.missing_rule_message(
-                op.name(params), mesh.axis_names, _common.JAX_VERSION, kind=op.kind
+                op.name(params), manual_axes(mesh), _common.JAX_VERSION, kind=op.kind,
+                jax_error=str(jax_error),
             )
         )
+        error.__cause__ = jax_error
+        return error
 
-    def out_reps(decision, all_axes, num_outs: int) -> list[set[str]]:
+    def out_reps(decision: Decision, all_axes: frozenset[str], num_outs: int) -> list[set[str]]:
         reps = [set(all_axes - o) for o in decision.outputs]
         return reps * num_outs if len(reps) == 1 and num_outs != 1 else reps
 
@@ -80,7 +90,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
         return reps if len(reps) > 1 else reps[0]  # one set: JAX applies it to every output
 
     def rewrite_rule(mesh: Any, in_rep: Any, /, *args: Any, **params: Any) -> Any:
-        from jax.experimental.shard_map import pbroadcast  # not jax.lax.pbroadcast
+        from jax.experimental.shard_map import pbroadcast  # type: ignore[attr-defined]  # JAX <= 0.5 only; not jax.lax.pbroadcast
 
         decided = decide_eqn(mesh, tuple(in_rep), params)
         if decided is None:
@@ -88,23 +98,58 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
                 return jax_rewrite(mesh, in_rep, *args, **params)
             raise missing(mesh, params)
         first, in_vary, decision, all_axes, reg = decided
-        args = list(args)
+        cast_args = list(args)
         if decision.inputs is not None:
             for i, (now, target) in enumerate(zip(in_vary, decision.inputs)):
                 if target - now:
-                    args[first + i] = pbroadcast(args[first + i], tuple(sorted(target - now)))
-        outs = op.prim.bind(*args, **params)
+                    cast_args[first + i] = pbroadcast(cast_args[first + i], tuple(sorted(target - now)))
+        outs = op.prim.bind(*cast_args, **params)
         outs = list(outs) if op.prim.multiple_results else [outs]
         reps = out_reps(decision, all_axes, len(outs))
         if _modes.verifying():
             _verify.insert_checks(
-                reg, outs, [all_axes - r for r in reps], mesh.axis_names,
+                reg, outs, [all_axes - r for r in reps], manual_axes(mesh),
                 lambda x, axes: pbroadcast(x, axes),
             )
         return outs, reps
 
-    patches.setitem(sm._check_rules, op.prim, check_rule)
-    patches.setitem(sm._rewrite_rules, op.prim, rewrite_rule)
+    patches.setitem(sm._check_rules, op.prim, check_rule)  # type: ignore[attr-defined]  # JAX <= 0.5 only
+    patches.setitem(sm._rewrite_rules, op.prim, rewrite_rule)  # type: ignore[attr-defined]  # JAX <= 0.5 only
+
+
+def _jax_refusal(prim: Any) -> Exception:
+    """The error JAX itself raises for a primitive without rules (quoted in ours)."""
+    from jax.experimental import shard_map as sm
+
+    try:
+        sm._rule_missing(prim)  # type: ignore[attr-defined]  # JAX <= 0.5 only
+    except NotImplementedError as err:
+        return err
+    return NotImplementedError(f"No replication rule for {prim}.")
+
+
+def manual_axes(mesh: Any) -> tuple[str, ...]:
+    """The manual axes of the ``shard_map`` over ``mesh`` whose rules are running.
+
+    JAX gives its rules only the mesh; the automatic axes (``auto=``) are a
+    local of the shard_map function that runs them (staging, eager, type
+    check), read here from the innermost such frame. The rep regime ends with
+    0.5.x, so these names cannot change under us.
+    """
+    import sys
+    from types import FrameType
+
+    from jax.experimental import shard_map as sm
+
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals is vars(sm):
+            local = frame.f_locals
+            if "auto" in local and (local.get("mesh") is mesh or local.get("mesh") == mesh):
+                auto = frozenset(local["auto"] or ())
+                return tuple(a for a in mesh.axis_names if a not in auto)
+        frame = frame.f_back
+    return tuple(mesh.axis_names)
 
 
 def install(patches: _common.Patches) -> None:
@@ -112,20 +157,4 @@ def install(patches: _common.Patches) -> None:
     ffi = _common.ffi_opaque()
     if ffi is not None:
         attach(ffi, patches)
-    _common.install_pallas_hooks(patches, _wrap_call)
-
-
-def _wrap_call(
-    kernel: Any,
-    out_shape: Any,
-    make_call: Callable[[Any], Callable[..., Any]],
-    call: Callable[..., Any],
-) -> Callable[..., Any]:
-    def traced_call(*args: Any) -> Any:
-        reg = lookup(kernel)
-        if reg is None:
-            return call(*args)  # the primitive-level rules report a missing rule themselves
-        with _common.tracing(reg):
-            return call(*args)
-
-    return traced_call
+    _common.install_pallas_hooks(patches)  # rules dispatch by kernel jaxpr: nothing to apply at bind

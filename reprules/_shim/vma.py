@@ -3,11 +3,12 @@
 There is no rule registry: each value's type carries the set of manual mesh
 axes it varies over (``ShapedArray.vma``), and a primitive's abstract eval
 *is* its rule. ``pallas_call`` takes its output types from ``out_shape``, which
-must then say ``vma=`` itself. reprules therefore works at the call:
+must then say ``vma=`` itself. reprules therefore works at the call's bind
+(found by its kernel jaxpr, see ``_common``, whenever the call object was built):
 
-* it asks the kernel's rule for the output sets, writes them into
-  ``out_shape`` and casts inputs up with ``pvary`` (whose transpose is the
-  needed psum);
+* it asks the kernel's rule for the output sets, types the outputs the user's
+  out_shape left unannotated with them, and casts inputs up with ``pvary``
+  (whose transpose is the needed psum);
 * it fixes the interpret-mode lowering for registered kernels (JAX's HLO
   interpreter starts output buffers invariant, then its while loop refuses the
   varying body: a carry-type error from 0.6.2 on);
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,8 +31,8 @@ import jax
 
 from reprules import _errors, _modes
 from reprules._decide import decide
-from reprules._registry import Registration, kernel_name, lookup
-from reprules._shim import _common, _verify
+from reprules._registry import Registration
+from reprules._shim import _common, _verify, custom_vjp
 from reprules.rules import RuleContext
 
 NAME = "vma"
@@ -116,6 +118,35 @@ def psum(x: Any, axes: frozenset[str]) -> Any:
     return jax.lax.psum(x, tuple(a for a in manual_axes() if a in axes))
 
 
+class _Unannotated(threading.local):
+    """Types JAX made from out_shape leaves without the user's annotation, for
+    the ``pallas_call`` bind that follows (matched by identity), each with
+    JAX's refusal of the leaf if it refused it."""
+
+    LIMIT = 1024  # leaves of calls that failed before their bind are dropped at last
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, Exception | None]] = []
+
+    def add(self, aval: Any, refusal: Exception | None) -> None:
+        self.items.append((aval, refusal))
+        del self.items[: -self.LIMIT]
+
+    def take(self, avals: Sequence[Any]) -> dict[int, Exception | None]:
+        """``{output index: refusal}`` of the unannotated ones among ``avals``."""
+        found: dict[int, Exception | None] = {}
+        for index, aval in enumerate(avals):
+            for j, (item, refusal) in enumerate(self.items):
+                if item is aval:
+                    found[index] = refusal
+                    del self.items[j]
+                    break
+        return found
+
+
+_unannotated = _Unannotated()
+
+
 class Regime:
     """Everything the vma and mat regimes do, parameterised by the type field."""
 
@@ -123,61 +154,54 @@ class Regime:
         self.field = field
 
     # -- the call ---------------------------------------------------------------
+    #
+    # JAX converts a pallas_call's out_shape before it traces the kernel, so the
+    # conversion cannot know whether a rule applies: it lets unannotated leaves
+    # through (JAX's refusal kept), and the bind, which knows the kernel, types
+    # them by the rule or raises that refusal as a MissingRuleError.
 
-    def wrap_call(
-        self,
-        kernel: Any,
-        out_shape: Any,
-        make_call: Callable[[Any], Callable[..., Any]],
-        call: Callable[..., Any],
-    ) -> Callable[..., Any]:
-        return functools.partial(self._call, kernel, out_shape, make_call, call)
-
-    def _call(self, kernel: Any, out_shape: Any, make_call: Callable[[Any], Callable[..., Any]],
-              call: Callable[..., Any], *args: Any) -> Any:
-        reg = lookup(kernel)
-        if reg is None:
-            return self._unregistered_call(kernel, call, *args)
-        return self._registered_call(reg, out_shape, make_call, call, *args)
-
-    def _unregistered_call(self, kernel: Any, call: Callable[..., Any], *args: Any) -> Any:
+    def _convert_out_shape(self, original: Callable[[Any], Any], leaf: Any) -> Any:
+        if not checking() or self.field.annotated(leaf):
+            return original(leaf)  # no checking, or the user's own annotation (it wins)
         try:
-            return call(*args)
-        except ValueError as err:
-            if checking() and "must not be `None`" in str(err):
+            aval = original(leaf)
+            refusal = None
+        except ValueError as err:  # an unannotated ShapeDtypeStruct under checking
+            if not isinstance(leaf, jax.ShapeDtypeStruct):
+                raise
+            aval, refusal = original(self._annotate(leaf, frozenset())), err
+        _unannotated.add(aval, refusal)
+        return aval
+
+    def _bind_pallas(self, bind: Callable[..., Any], args: tuple[Any, ...], params: dict[str, Any],
+                     reg: Registration | None, direct: bool) -> Any:
+        unannotated = _unannotated.take(params.get("out_avals", ()))
+        if reg is None:
+            refusal = next((err for err in unannotated.values() if err is not None), None)
+            if refusal is not None:
                 raise _errors.MissingRuleError(
                     _errors.missing_rule_message(
-                        kernel_name(kernel), manual_axes(), _common.JAX_VERSION
+                        _common.kernel_name_from_params(params), manual_axes(), _common.JAX_VERSION,
+                        jax_error=str(refusal),
                     )
-                ) from err
-            raise
-
-    def _registered_call(
-        self,
-        reg: Registration,
-        out_shape: Any,
-        make_call: Callable[[Any], Callable[..., Any]],
-        call: Callable[..., Any],
-        *args: Any,
-    ) -> Any:
-        if not checking():
-            return call(*args)
-        flat_args, in_tree = jax.tree_util.tree_flatten(args)
-        if isinstance(out_shape, list):  # pallas_call canonicalises lists to tuples
-            out_shape = tuple(out_shape)
-        flat_out, out_tree = jax.tree_util.tree_flatten(out_shape)
-        in_vary = tuple(self.field.varying(jax.typeof(a)) for a in flat_args)
-        ctx = _common.rule_context(reg, manual_axes(), len(flat_args), len(flat_out))
+                ) from refusal
+            return bind(*args, **params)
+        if not (direct and checking() and manual_axes()):
+            # Outside a checked shard_map, or a JVP/vmap of a call typed already.
+            return _common.traced_bind(bind, args, params, reg, direct)
+        first, _ = _common._pallas_layout(params, len(args))
+        out_avals = tuple(params["out_avals"])
+        in_vary = tuple(self.field.varying(jax.typeof(a)) for a in args[first:])
+        ctx = _common.rule_context(reg, manual_axes(), len(in_vary), len(out_avals))
         decision = decide(reg, ctx, in_vary)
-        flat_args = _cast_inputs(flat_args, in_vary, decision.inputs)
-        new_out = [
-            s if self.field.annotated(s) else self._annotate(s, vary)
-            for s, vary in zip(flat_out, decision.outputs)
-        ]
-        args = jax.tree_util.tree_unflatten(in_tree, flat_args)
+        args = (*args[:first], *_cast_inputs(args[first:], in_vary, decision.inputs))
+        out_avals = tuple(
+            self.field.retype(aval, vary) if i in unannotated else aval
+            for i, (aval, vary) in enumerate(zip(out_avals, decision.outputs))
+        )
         with _common.tracing(reg):
-            out = make_call(jax.tree_util.tree_unflatten(out_tree, new_out))(*args)
-        self._maybe_verify(reg, jax.tree_util.tree_leaves(out))
+            out = bind(*args, **{**params, "out_avals": out_avals})
+        self._maybe_verify(reg, list(out))
         return out
 
     def _maybe_verify(self, reg: Registration, outs: Sequence[Any]) -> None:
@@ -218,52 +242,6 @@ class Regime:
 
         return lowering
 
-    def _fix_custom_vjp_cotangents(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        from jax._src import linear_util as lu
-
-        field = self.field
-
-        def fix_leaf(ct: Any, primal_aval: Any) -> Any:
-            if ct is None or type(ct).__name__ == "SymbolicZero" or not hasattr(primal_aval, "shape"):
-                return ct
-            try:
-                have = field.varying(jax.typeof(ct))
-            except TypeError:
-                return ct
-            want = field.varying(primal_aval)
-            if have - want:  # e.g. a replicated weight's gradient from sharded activations
-                ct = psum(ct, have - want)
-            if want - have:  # a replicated cotangent for a varying input: free cast
-                ct = cast_up(ct, want - have)
-            return ct
-
-        def fix(py_cts_in: Any, in_tree: Any, in_avals: Sequence[Any]) -> Any:
-            try:
-                cts = tuple(py_cts_in) if isinstance(py_cts_in, list) else py_cts_in
-                primal = jax.tree_util.tree_unflatten(in_tree, list(in_avals))
-                return jax.tree_util.tree_map(
-                    lambda ct, a: None if ct is None else fix_leaf(ct, a),
-                    cts,
-                    primal,
-                    is_leaf=lambda x: x is None,
-                )
-            except (ValueError, TypeError):
-                return py_cts_in  # a malformed bwd output: JAX's own check reports it
-
-        def gen(f: Callable[..., Any], in_tree: Any, in_avals: Any, with_logs: bool, *args: Any):
-            out = f(*args)
-            if with_logs and isinstance(out, (tuple, list)) and len(out) == 2:
-                return fix(out[0], in_tree, in_avals), out[1]
-            return fix(out, in_tree, in_avals)
-
-        def flatten_bwd(bwd: Any, in_tree: Any, in_avals: Any, *rest: Any, **kwargs: Any) -> Any:
-            # 0.12 added (primal_fun, symbolic_zeros, with_logs) after out_trees.
-            with_logs = bool(rest[3]) if len(rest) >= 4 else bool(kwargs.get("with_logs", False))
-            fixed = lu.transformation2(gen)(bwd, in_tree, tuple(in_avals), with_logs)
-            return original(fixed, in_tree, in_avals, *rest, **kwargs)
-
-        return flatten_bwd
-
     def attach(self, op: _common.Opaque, patches: _common.Patches) -> None:
         """Types the outputs of ``op.prim`` by the rule of each equation (its
         abstract eval), and casts inputs up before binding (its bind).
@@ -291,6 +269,7 @@ class Regime:
         def bind(*args: Any, **params: Any) -> Any:
             reg = op.lookup(params)
             if reg is not None and checking() and manual_axes():
+                _common.note_registered_call()
                 first, num_out = op.layout(params, len(args))
                 in_vary = tuple(field.varying(jax.typeof(a)) for a in args[first:])
                 decision = decide(reg, context(reg, len(in_vary), num_out or 1), in_vary)
@@ -309,7 +288,7 @@ class Regime:
         has a rule or is one of JAX's collectives or higher-order primitives."""
         from jax._src.interpreters import partial_eval as pe
 
-        original = pe.DynamicJaxprTrace.default_process_primitive
+        original: Callable[..., Any] = pe.DynamicJaxprTrace.default_process_primitive
         field = self.field
 
         def default_process_primitive(trace: Any, primitive: Any, tracers: Any, params: Any, *rest: Any, **kw: Any) -> Any:
@@ -326,45 +305,118 @@ class Regime:
         patches.setattr(pe.DynamicJaxprTrace, "default_process_primitive", default_process_primitive)
 
     def install(self, patches: _common.Patches) -> None:
-        from jax._src import custom_derivatives
         from jax._src.interpreters import mlir
 
         prim = _common.pallas_call_p()
         entry = mlir._lowerings[prim]
-        original_rule = getattr(entry, "rule", entry)  # LoweringRuleEntry since 0.7
-        new_rule = self._interpret_lowering(original_rule)
+        original_rule: Any = getattr(entry, "rule", entry)  # LoweringRuleEntry since 0.7
+        # Guarded here too: a LoweringRuleEntry is not callable, so setitem cannot guard it.
+        new_rule = patches.guard(self._interpret_lowering(original_rule), lambda: original_rule)
         new_entry = dataclasses.replace(entry, rule=new_rule) if hasattr(entry, "rule") else new_rule
-        patches.setitem(mlir._lowerings, prim, new_entry)
-        patches.setattr(
-            custom_derivatives,
-            "_flatten_bwd",
-            self._fix_custom_vjp_cotangents(custom_derivatives._flatten_bwd),
-        )
-        _common.install_pallas_hooks(patches, self.wrap_call)
+        patches.setitem(mlir._lowerings, prim, new_entry, label="jax._src.interpreters.mlir._lowerings[pallas_call]")
+        custom_vjp.install(patches, field=self.field)
+        _common.install_pallas_hooks(patches, self._bind_pallas, self._convert_out_shape)
         ffi = _common.ffi_opaque()
         if ffi is not None:
             self.attach(ffi, patches)
+        from reprules._shim import core_map  # pl.kernel / pl.core_map
+
+        core_map.install(patches, self)
 
 
-_COLLECTIVE_PARAMS = ("axes", "axis_name", "axis_index_groups")
+# Strict mode decides by *which* primitive it is, never by parameter names: a
+# user primitive with an `axis_name` parameter is checked like any other.
+#
+# Not structural ("its params hold a jaxpr"): opaque kernels hold jaxprs too
+# (pallas_call's kernel jaxpr, a user's Pallas-like primitive), and those are
+# exactly what strict mode must check, so structure cannot tell a
+# higher-order primitive typed from its body from a kernel typed by hand. A
+# higher-order primitive missing from the list (a new JAX) is checked like any
+# primitive and passes as long as its body keeps the varying axes; the tests
+# run JAX programs with collectives inside jit, cond, scan, remat and
+# custom_vjp under strict mode on every version.
+_HIGHER_ORDER = (
+    ("jax._src.pjit", "pjit_p"),  # 0.6.x
+    ("jax._src.pjit", "jit_p"),  # 0.7+: renamed
+    ("jax._src.core", "closed_call_p"),
+    ("jax._src.core", "call_p"),
+    ("jax._src.interpreters.ad", "custom_lin_p"),
+    ("jax._src.interpreters.pxla", "xla_pmap_p"),  # 0.6 - 0.9
+    ("jax._src.ad_checkpoint", "remat_p"),
+    ("jax._src.custom_derivatives", "custom_jvp_call_p"),
+    ("jax._src.custom_derivatives", "custom_vjp_call_p"),
+    ("jax._src.custom_derivatives", "custom_jvp_call_jaxpr_p"),
+    ("jax._src.custom_derivatives", "linear_call_p"),
+    ("jax._src.custom_transpose", "custom_transpose_p"),  # 0.6 - 0.9
+    ("jax._src.hijax", "call_hi_primitive_p"),  # 0.8+
+    ("jax._src.custom_batching", "custom_vmap_p"),
+    ("jax._src.custom_partitioning", "custom_partitioning_p"),
+    ("jax._src.lax.control_flow.loops", "scan_p"),
+    ("jax._src.lax.control_flow.loops", "while_p"),
+    ("jax._src.lax.control_flow.conditionals", "cond_p"),
+    ("jax._src.lax.control_flow.for_loop", "for_p"),  # 0.6.x
+    ("jax._src.lax.control_flow.solves", "linear_solve_p"),
+    ("jax._src.state.discharge", "run_state_p"),
+    ("jax._src.shard_map", "shard_map_p"),
+    # JAX's callbacks: outputs typed by the user's result shapes, like a body.
+    ("jax._src.callback", "pure_callback_p"),
+    ("jax._src.callback", "io_callback_p"),
+    ("jax._src.debugging", "debug_callback_p"),
+)
+
+
+@functools.cache
+def _jax_collectives() -> frozenset[Any]:
+    """JAX's collectives, by identity: every primitive that ``jax._src.lax.parallel``
+    defines (psum, all_gather, ppermute, axis_index, ... under whatever names
+    this version has) and ``core.pvary_p`` (pvary / pcast, 0.6+)."""
+    from jax._src import core
+    from jax._src.lax import parallel
+
+    found = {v for v in vars(parallel).values() if isinstance(v, core.Primitive)}
+    if isinstance(getattr(core, "pvary_p", None), core.Primitive):
+        found.add(core.pvary_p)
+    return frozenset(found)
+
+
+@functools.cache
+def _jax_higher_order() -> frozenset[Any]:
+    """The primitives of ``_HIGHER_ORDER``, by identity: JAX's higher-order primitives
+    (typed from their jaxprs) and callbacks (typed by the user's result shapes)."""
+    import importlib
+
+    from jax._src import core
+
+    found = set()
+    for module_name, attr in _HIGHER_ORDER:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        prim = getattr(module, attr, None)
+        if isinstance(prim, core.Primitive):
+            found.add(prim)
+    return frozenset(found)
 
 
 def _exempt(primitive: Any, params: dict[str, Any]) -> bool:
     """JAX's collectives and higher-order primitives type their outputs
     themselves; registered opaque primitives are typed by their rules."""
-    if any(k in params for k in _COLLECTIVE_PARAMS):
+    if primitive in _jax_collectives() or primitive in _jax_higher_order():
         return True
-    opaque = _describe(primitive)
-    if opaque is None:  # pjit, shard_map, custom_vjp, scan, cond, ...: typed from their jaxprs
-        return True
-    return opaque.lookup(params) is not None
+    return _describe(primitive).lookup(params) is not None
 
 
-def _describe(primitive: Any) -> _common.Opaque | None:
+def _describe(primitive: Any) -> _common.Opaque:
     import sys
 
     if primitive is _common.pallas_call_p():
         return _common.pallas_opaque()
+    from reprules._shim import core_map
+
+    kernel = core_map.opaque(primitive)  # pl.kernel / pl.core_map
+    if kernel is not None:
+        return kernel
     ffi = _common.ffi_opaque()
     if ffi is not None and primitive is ffi.prim:
         return ffi
@@ -372,25 +424,12 @@ def _describe(primitive: Any) -> _common.Opaque | None:
         triton = _common.triton_opaque()
         if primitive is triton.prim:
             return triton
-    if _has_subjaxpr(primitive):
-        return None
     return _common.primitive_opaque(primitive)
-
-
-def _has_subjaxpr(primitive: Any) -> bool:
-    # Recognised by name, since params are only known per equation.
-    return primitive.name in {
-        "pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
-        "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin", "scan", "cond", "while",
-        "shard_map", "xla_call", "xla_pmap", "run_state", "for", "custom_transpose_call",
-        "linear_call", "pure_callback", "io_callback", "debug_callback",
-    }
 
 
 def _strict_message(primitive: Any, params: dict[str, Any], index: int, in_vary: frozenset[str], missing: frozenset[str]) -> str:
     opaque = _describe(primitive)
-    kind = opaque.kind if opaque else "primitive"
-    name = opaque.name(params) if opaque else primitive.name
+    kind, name = opaque.kind, opaque.name(params)
     if kind == "FFI target":
         fix = f"reprules.replication_rule(rules.same())(reprules.ffi_target({name!r}))"
     elif kind == "primitive":

@@ -1,0 +1,669 @@
+"""Rules for Pallas' second entry point: ``pl.kernel`` and ``pl.core_map`` (vma and mat regimes).
+
+``pl.pallas_call`` binds ``pallas_call_p`` (see ``_common``). ``pl.kernel``
+(JAX 0.8+) and ``pl.core_map`` (0.4.38+) bind other primitives, and a rule is
+registered on the kernel *body* (the function passed to ``pl.kernel``), found
+by identity when a call is traced, however early the ``pl.kernel`` object was
+built (before reprules activated, before the rule was registered):
+
+* **0.8 - 0.9** (``core_map_p``). ``pl.kernel`` returns a ``jax.jit`` of a
+  closure (``helpers._make_kernel.<locals>.wrapper``) that makes one ref per
+  input (``new_ref(x)``) and per output (``new_ref(lax.empty(...))``), runs the
+  body on them under ``pl.core_map``, and reads the output refs back. JAX types
+  the outputs by those refs, and ``lax.empty`` is replicated: every output is
+  typed replicated, whatever the body writes (silently; ``out_specs=P()`` is
+  accepted). reprules hooks ``core.new_ref``, looked up by that closure when it
+  is traced, and, for a registered body inside a checked ``shard_map``, makes
+  each input ref from the input cast up as the rule says and each output ref
+  from ``lax.empty`` cast up to the rule's varying axes: the outputs read back
+  have the rule's types. The closure is recognised by its code object, and the
+  body, operands and out_shape are read from its frame. When JAX later
+  discharges that ``core_map`` (into a ``pallas_call`` on 0.8, an ``mpmd_map``
+  on 0.9), the equation it makes is marked as the body's, so strict mode and
+  reports see the rule there too.
+* **0.10 - 0.12** (``mpmd_map_p``, ``pl.kernel`` over ``mpmd._mpmd_map``). The
+  out_shape is converted to types when the ``pl.kernel`` object is built, and
+  JAX refuses an unannotated ``ShapeDtypeStruct`` under checking. reprules
+  hooks ``_mpmd_map`` (looked up when ``pl.kernel`` is called): it lets such a
+  leaf through when a body is registered (JAX's refusal otherwise) and records,
+  per kernel object, which leaves the user annotated (types cannot tell: JAX
+  interns them). At the ``mpmd_map_p`` bind made by the kernel object
+  (``_mpmd_map.<locals>.wrapper``, found by its code object), it types the
+  outputs the user did not annotate by the rule and casts inputs up, as for
+  ``pallas_call``. A kernel object built before reprules activated has no
+  record: its outputs typed varying are taken as annotated, the rest follow
+  the rule.
+* **MPMD** (0.10+: ``pl.kernel(body=[f, g], mesh=[m1, m2], ...)``): the bodies
+  run as one kernel with one set of outputs. Every registered body's rule is
+  asked; they must agree (:class:`reprules.RuleError` naming them otherwise),
+  and their answer types the kernel, bodies without a rule included.
+* **``pl.core_map`` called directly** (``core_map_p``; from 0.11 an
+  ``mpmd_map`` made in ``core_map.<locals>.wrapped``) has no outputs: it writes
+  into refs its caller made, whose types JAX takes from the values they were
+  made from. A rule cannot change them, so a registered function passed to
+  ``pl.core_map`` is refused inside a checked ``shard_map``
+  (:class:`reprules.RuleError`) rather than silently ignored. (On 0.4.38 - 0.5
+  JAX refuses core_map programs under ``check_rep`` itself: no rule for
+  ``run_state``; nothing is installed there.)
+
+Rule-less bodies run exactly as with JAX alone. Equations of registered
+kernels are remembered (kernel jaxpr -> body) so that reports, strict mode and
+``custom_vjp`` handling find them by identity.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from types import CodeType, FrameType
+from typing import Any
+
+import jax
+
+from reprules import _errors, _modes
+from reprules._decide import decide
+from reprules._registry import Registration, lookup
+from reprules._shim import _common, vma
+from reprules.rules import Decision
+
+# --- the code objects that identify JAX's closures -------------------------------
+
+
+def _nested_code(function: Any, name: str) -> CodeType | None:
+    """The code object of the function ``name`` defined directly inside ``function``."""
+    code = getattr(function, "__code__", None)
+    for const in getattr(code, "co_consts", ()):
+        if isinstance(const, CodeType) and const.co_name == name:
+            return const
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Codes:
+    """Where reprules finds a kernel body while its call is traced (None: absent here)."""
+
+    core_map_wrapped: CodeType | None  # pallas core.core_map.<locals>.wrapped (0.4.38+)
+    kernel_wrapper: CodeType | None  # helpers._make_kernel.<locals>.wrapper (0.8 - 0.9)
+    kernel_out_ref: CodeType | None  # its `lambda out: jax_core.new_ref(lax.empty(...))`
+    mpmd_wrapper: CodeType | None  # mpmd._mpmd_map.<locals>.wrapper (0.10+)
+
+
+def _find_codes() -> _Codes:
+    from jax._src.pallas import core as pallas_core
+
+    wrapped = _nested_code(getattr(pallas_core, "core_map", None), "wrapped")
+    kernel_wrapper = out_ref = mpmd_wrapper = None
+    import importlib
+
+    try:  # 0.8+
+        helpers: Any = importlib.import_module("jax._src.pallas.helpers")
+    except ImportError:  # JAX < 0.8: no pl.kernel
+        helpers = None
+    if helpers is not None and hasattr(helpers, "_make_kernel"):  # 0.8 - 0.9
+        kernel_wrapper = _nested_code(helpers._make_kernel, "wrapper")
+        lambdas = [
+            c for c in getattr(kernel_wrapper, "co_consts", ())
+            if isinstance(c, CodeType) and c.co_name == "<lambda>" and "new_ref" in c.co_names
+        ]
+        out_ref = lambdas[0] if len(lambdas) == 1 else None
+    try:  # 0.9+ has the module; pl.kernel uses it from 0.10
+        mpmd: Any = importlib.import_module("jax._src.pallas.mpmd")
+    except ImportError:
+        mpmd = None
+    if mpmd is not None and helpers is not None and not hasattr(helpers, "_make_kernel"):
+        mpmd_wrapper = _nested_code(getattr(mpmd, "_mpmd_map", None), "wrapper")
+    return _Codes(wrapped, kernel_wrapper, out_ref, mpmd_wrapper)
+
+
+def _caller(depth: int = 2) -> FrameType | None:
+    """The innermost frame outside reprules, starting ``depth`` frames up."""
+    frame: FrameType | None = sys._getframe(depth)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("reprules."):
+        frame = frame.f_back
+    return frame
+
+
+def _locals(frame: FrameType) -> dict[str, Any]:
+    # A running function frame's f_locals is a snapshot that includes its free
+    # variables (the closure's `body`, `out_shape`, `meshes_and_fns`).
+    return dict(frame.f_locals)
+
+
+# --- which equations belong to registered bodies (reports, strict mode, custom_vjp) ---
+
+_by_jaxpr: weakref.WeakKeyDictionary[Any, Callable[[], Any]] = weakref.WeakKeyDictionary()
+_by_jaxpr_lock = threading.Lock()
+_primitives: dict[int, str] = {}  # id(primitive) -> "core_map" / "mpmd_map", filled at install
+
+
+def _remember(jaxprs: Sequence[Any], body: Any) -> None:
+    try:
+        ref = weakref.ref(body)
+    except TypeError:
+        return
+    with _by_jaxpr_lock:
+        for jaxpr in jaxprs:
+            for item in (jaxpr, getattr(jaxpr, "jaxpr", None)):
+                if item is not None and hasattr(item, "eqns"):
+                    _by_jaxpr[item] = ref
+
+
+def _eqn_jaxprs(params: dict[str, Any]) -> tuple[Any, ...]:
+    if "jaxprs" in params:  # mpmd_map
+        return tuple(params["jaxprs"])
+    return (params["jaxpr"],) if "jaxpr" in params else ()
+
+
+def _bodies_of(params: dict[str, Any]) -> list[Any] | None:
+    """The bodies seen for an equation's kernel jaxprs (None: reprules did not see its call)."""
+    found: list[Any] = []
+    seen = False
+    with _by_jaxpr_lock:
+        for jaxpr in _eqn_jaxprs(params):
+            ref = _by_jaxpr.get(jaxpr)
+            if ref is not None:
+                seen = True
+                body = ref()
+                if body is not None:
+                    found.append(body)
+    return found if seen else None
+
+
+def is_kernel_primitive(primitive: Any) -> bool:
+    """Whether ``primitive`` is ``core_map_p`` or ``mpmd_map_p`` (once reprules is active)."""
+    return id(primitive) in _primitives
+
+
+def registration_of(params: dict[str, Any]) -> Registration | None:
+    """The current registration behind a ``core_map`` / ``mpmd_map`` equation (its first
+    registered body), or None."""
+    for body in _bodies_of(params) or ():
+        reg = lookup(body)
+        if reg is not None:
+            return reg
+    return None
+
+
+def kernel_name(params: dict[str, Any]) -> str:
+    """The body's name for an equation (the registered body's, else the first seen, else JAX's)."""
+    reg = registration_of(params)
+    if reg is not None:
+        return reg.name
+    from reprules._registry import kernel_name as name_of
+
+    bodies = _bodies_of(params)
+    if bodies:
+        return name_of(bodies[0])
+    if params.get("name"):
+        return str(params["name"])
+    for jaxpr in _eqn_jaxprs(params):
+        src = getattr(getattr(jaxpr, "debug_info", None), "func_src_info", None)
+        if src:
+            return str(src).split(" ")[0]
+    return "pl.kernel"
+
+
+def identify(primitive: Any, params: dict[str, Any]) -> _common.Identity | None:
+    """``_common.identify`` for ``core_map`` / ``mpmd_map`` equations (None: another primitive)."""
+    if not is_kernel_primitive(primitive):
+        return None
+    from reprules._registry import registrations
+
+    site = ""
+    for jaxpr in _eqn_jaxprs(params):
+        src = str(getattr(getattr(jaxpr, "debug_info", None), "func_src_info", None) or "")
+        if " at " in src and "helpers.py" not in src:  # the body's own site (mpmd), not JAX's closure
+            site = src.split(" at ", 1)[1]
+            break
+    bodies = _bodies_of(params)
+    if bodies is not None:
+        reg = registration_of(params)
+        body = reg.kernel() if reg is not None else (bodies[0] if bodies else None)
+        return _common.Identity(reg, site=site or _definition_site(body))
+    name = kernel_name(params)
+    candidates = tuple(
+        reg.where for reg in registrations() if reg.name == name and callable(reg.kernel())
+    )
+    return _common.Identity(None, identified=not candidates, candidates=candidates, site=site)
+
+
+def collective_axes(eqn: Any, scan: Callable[[Any], frozenset[str]]) -> frozenset[str]:
+    """``scan(eqn)`` (custom_vjp's conservative look for collectives in an equation),
+    except for a registered 0.8 - 0.9 ``pl.kernel`` call: there the casts reprules
+    made inside JAX's ``jax.jit`` closure (the top-level ``pvary``s: inputs cast
+    up, output refs made varying) are left out. They are what a ``pallas_call``'s
+    casts are outside its equation, and are judged the same way: a cotangent
+    input replicated over an axis the call's outputs vary over taints them."""
+    from jax._src import core
+
+    closed = eqn.params.get("jaxpr")
+    inner: Any = getattr(closed, "jaxpr", None)
+    pvary_p = getattr(core, "pvary_p", None)
+    if (eqn.primitive.name not in ("pjit", "jit") or pvary_p is None or not hasattr(inner, "eqns")
+            or not _calls_registered_core_map(inner)):
+        return scan(eqn)
+    return frozenset().union(*(scan(e) for e in inner.eqns if e.primitive is not pvary_p))
+
+
+def _calls_registered_core_map(jaxpr: Any) -> bool:
+    return any(
+        is_kernel_primitive(e.primitive) and _primitives[id(e.primitive)] == "core_map"
+        and registration_of(e.params) is not None
+        for e in jaxpr.eqns
+    )
+
+
+def _definition_site(body: Any) -> str:
+    """``file:line`` where ``body`` (or the function a partial wraps) is defined, or ``""``."""
+    import inspect
+
+    while isinstance(body, functools.partial):
+        body = body.func
+    code = getattr(inspect.unwrap(body), "__code__", None) if callable(body) else None
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+
+
+def opaque(primitive: Any) -> _common.Opaque | None:
+    """How strict mode describes a ``core_map`` / ``mpmd_map`` equation (None: another primitive)."""
+    if not is_kernel_primitive(primitive):
+        return None
+    return _common.Opaque(
+        prim=primitive,
+        kind="Pallas kernel",
+        lookup=registration_of,
+        name=kernel_name,
+        layout=lambda params, n: (0, None),
+    )
+
+
+# --- the hooks ------------------------------------------------------------------------
+
+
+def install(patches: _common.Patches, regime: vma.Regime) -> None:
+    """Installs the ``pl.kernel`` / ``pl.core_map`` hooks of this JAX (vma and mat regimes)."""
+    codes = _find_codes()
+    hooks = _Hooks(regime, codes)
+    from jax._src.pallas import core as pallas_core
+
+    core_map_p: Any = getattr(pallas_core, "core_map_p", None)
+    if core_map_p is not None and codes.core_map_wrapped is not None:
+        _primitives[id(core_map_p)] = "core_map"
+        patches.setattr(core_map_p, "bind", hooks.core_map_bind(functools.partial(type(core_map_p).bind, core_map_p)))
+    if codes.kernel_wrapper is not None and codes.kernel_out_ref is not None:  # 0.8 - 0.9
+        from jax._src import core
+        from jax._src.state import discharge
+
+        patches.setattr(core, "new_ref", hooks.new_ref(core.new_ref))
+        rule = discharge._discharge_rules.get(core_map_p)
+        if rule is not None:
+            patches.setitem(discharge._discharge_rules, core_map_p, hooks.discharge(rule),
+                            label="jax._src.state.discharge._discharge_rules[core_map]")
+    mpmd: Any = sys.modules.get("jax._src.pallas.mpmd")  # 0.9+, imported by _find_codes
+    if mpmd is not None:  # 0.9: core_map's discharge binds it; 0.10+: pl.kernel, 0.11+: pl.core_map
+        prim = mpmd.mpmd_map_p
+        _primitives[id(prim)] = "mpmd_map"
+        patches.setattr(prim, "bind", hooks.mpmd_bind(functools.partial(type(prim).bind, prim)))
+    if codes.mpmd_wrapper is not None and mpmd is not None:  # 0.10+
+        patches.setattr(mpmd, "_mpmd_map", hooks.make(mpmd._mpmd_map))
+        # Wraps reprules' pallas_call conversion hook (or JAX's), which leaves mpmd's leaves to JAX.
+        convert = pallas_core._convert_out_shape_to_aval
+        patches.setattr(pallas_core, "_convert_out_shape_to_aval", hooks.convert(convert))
+
+
+@dataclasses.dataclass
+class _Activation:
+    """One trace of a 0.8 - 0.9 ``pl.kernel`` closure whose body has a rule."""
+
+    frame: FrameType
+    reg: Registration
+    decision: Decision
+    out_leaves: list[Any]
+    next_in: int = 0
+    next_out: int = 0
+
+
+class _State(threading.local):
+    LIMIT = 16  # activations of traces that failed before their core_map are dropped at last
+
+    def __init__(self) -> None:
+        self.activations: list[_Activation] = []
+
+
+_state = _State()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """How the out_shape leaves of one 0.10+ ``pl.kernel`` object were made into types.
+
+    Types cannot tell (JAX interns them: equal types are one object), so this is
+    kept per kernel object, under the identity of its ``flat_out_avals`` tuple.
+    """
+
+    avals: tuple[Any, ...]
+    honoured: tuple[bool, ...]  # the user's annotation, which JAX used (made under checking)
+    let_through: tuple[bool, ...]  # unannotated: let through only because a body had a rule
+
+
+_outputs: dict[int, _Outputs] = {}  # id(flat_out_avals) -> ..., dropped when the kernel object dies
+_outputs_lock = threading.Lock()
+_letting_through: contextvars.ContextVar[bool] = contextvars.ContextVar("reprules_mpmd_let", default=False)
+# 0.8 - 0.9: the body whose core_map JAX is discharging (into a pallas_call or an mpmd_map).
+_discharging: contextvars.ContextVar[Any] = contextvars.ContextVar("reprules_discharging", default=None)
+
+
+class _Hooks:
+    def __init__(self, regime: vma.Regime, codes: _Codes) -> None:
+        self.regime = regime
+        self.field = regime.field
+        self.codes = codes
+
+    # -- shared --------------------------------------------------------------------
+
+    def _context(self, reg: Registration, num_in: int, num_out: int) -> Any:
+        return _common.rule_context(reg, vma.manual_axes(), num_in, num_out)
+
+    def _in_varying(self, leaves: Sequence[Any]) -> tuple[frozenset[str], ...]:
+        out = []
+        for leaf in leaves:
+            aval = jax.typeof(leaf)
+            inner = getattr(aval, "inner_aval", aval)  # a Ref varies like its contents
+            out.append(self.field.varying(inner))
+        return tuple(out)
+
+    # -- 0.8 - 0.9: output refs made with the rule's types --------------------------
+
+    def new_ref(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        codes = self.codes
+
+        def new_ref(init_val: Any, *args: Any, **kwargs: Any) -> Any:
+            caller = _caller() if vma.checking() else None
+            if caller is None:
+                return original(init_val, *args, **kwargs)
+            is_out = caller.f_code is codes.kernel_out_ref
+            wrapper: FrameType | None = caller
+            if not is_out:  # an input ref: made through tree_map, directly in the wrapper
+                while wrapper is not None and wrapper.f_globals.get("__name__") == "jax._src.tree_util":
+                    wrapper = wrapper.f_back
+            else:
+                while wrapper is not None and wrapper.f_code is not codes.kernel_wrapper:
+                    wrapper = wrapper.f_back
+            if wrapper is None or wrapper.f_code is not codes.kernel_wrapper or not vma.manual_axes():
+                return original(init_val, *args, **kwargs)
+            act = self._activation(wrapper)
+            if act is None:
+                return original(init_val, *args, **kwargs)
+            now = self.field.varying(jax.typeof(init_val))
+            if is_out:
+                index, act.next_out = act.next_out, act.next_out + 1
+                target = self._out_target(act, index)
+            else:
+                index, act.next_in = act.next_in, act.next_in + 1
+                inputs = act.decision.inputs
+                target = inputs[index] if inputs is not None and index < len(inputs) else now
+            if target - now:
+                init_val = vma.cast_up(init_val, target - now)
+            return original(init_val, *args, **kwargs)
+
+        return new_ref
+
+    def _out_target(self, act: _Activation, index: int) -> frozenset[str]:
+        leaf = act.out_leaves[index] if index < len(act.out_leaves) else None
+        # The user's own annotation wins, as for pallas_call (JAX 0.8 - 0.9 alone ignore it here).
+        if leaf is not None and self.field.annotated(leaf):
+            return frozenset(getattr(leaf, self.field.sds_keyword, None) or ())
+        return act.decision.outputs[index] if index < len(act.decision.outputs) else frozenset()
+
+    def _activation(self, wrapper: FrameType) -> _Activation | None:
+        acts = _state.activations
+        if acts and acts[-1].frame is wrapper:
+            return acts[-1]
+        local = _locals(wrapper)
+        reg = lookup(local.get("body"))
+        if reg is None:
+            return None
+        operands = jax.tree_util.tree_leaves(local.get("operands", ()))
+        out_leaves = jax.tree_util.tree_leaves(local.get("out_shape", ()))
+        in_vary = self._in_varying(operands)
+        decision = decide(reg, self._context(reg, len(in_vary), len(out_leaves)), in_vary)
+        _common.note_registered_call()
+        act = _Activation(wrapper, reg, decision, out_leaves)
+        acts.append(act)
+        del acts[: -_State.LIMIT]
+        return act
+
+    # -- core_map_p: pl.kernel (0.8 - 0.9) and pl.core_map -----------------------------
+
+    def core_map_bind(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        codes = self.codes
+
+        def bind(*args: Any, **params: Any) -> Any:
+            wrapped = _caller()
+            if wrapped is None or wrapped.f_code is not codes.core_map_wrapped:
+                return original(*args, **params)  # a re-bind (discharge, vmap, ...)
+            outer = wrapped.f_back
+            if outer is not None and codes.kernel_wrapper is not None and outer.f_code is codes.kernel_wrapper:
+                return self._kernel_core_map(original, outer, args, params)
+            reg = lookup(_locals(wrapped).get("f"))  # pl.core_map called directly
+            if reg is not None and vma.checking() and vma.manual_axes():
+                raise _errors.RuleError(_core_map_message(reg, vma.manual_axes()))
+            return original(*args, **params)
+
+        return bind
+
+    def _kernel_core_map(self, original: Callable[..., Any], wrapper: FrameType,
+                         args: tuple[Any, ...], params: dict[str, Any]) -> Any:
+        local = _locals(wrapper)
+        body = local.get("body")
+        acts = _state.activations
+        act = acts.pop() if acts and acts[-1].frame is wrapper else None
+        out = original(*args, **params)
+        if body is not None:
+            _remember((params.get("jaxpr"),), body)
+        reg = lookup(body)
+        if reg is not None and act is not None and _modes.verifying():
+            refs = jax.tree_util.tree_leaves(local.get("out_refs", ()))
+            values = [ref[...] for ref in refs]
+            self.regime._maybe_verify(reg, values)
+        return out
+
+    def discharge(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Marks the ``pallas_call`` (0.8) or ``mpmd_map`` (0.9) that JAX discharges a
+        registered body's ``core_map`` into as that body's, so that strict mode and
+        reports see its rule (the refs already carry the rule's types)."""
+
+        def discharge(*args: Any, **params: Any) -> Any:
+            reg = registration_of(params)
+            if reg is None:
+                return original(*args, **params)
+            token = _discharging.set(reg.kernel())
+            try:
+                with _common.tracing(reg):
+                    return original(*args, **params)
+            finally:
+                _discharging.reset(token)
+
+        return discharge
+
+    # -- mpmd_map_p (0.10+) ------------------------------------------------------------
+
+    def make(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Hooks ``mpmd._mpmd_map``, which builds the kernel object when ``pl.kernel`` is called."""
+        field = self.field
+
+        def make(*args: Any, **kwargs: Any) -> Any:
+            fns = [fn for _, fn in (args[0] if args else kwargs.get("meshes_and_fns", ()))]
+            out_types = args[1] if len(args) > 1 else kwargs.get("out_types", ())
+            checking = vma.checking()
+            let = checking and any(lookup(fn) is not None for fn in fns)
+            token = _letting_through.set(let)
+            try:
+                wrapper = original(*args, **kwargs)
+            finally:
+                _letting_through.reset(token)
+            code = getattr(wrapper, "__code__", None)
+            cells = dict(zip(getattr(code, "co_freevars", ()), getattr(wrapper, "__closure__", None) or ()))
+            avals = cells["flat_out_avals"].cell_contents if "flat_out_avals" in cells else None
+            if not isinstance(avals, tuple):
+                return wrapper
+            leaves = jax.tree_util.tree_leaves(out_types)
+            annotated = [field.annotated(leaf) for leaf in leaves]
+            record = _Outputs(
+                avals=avals,
+                honoured=tuple(checking and a for a in annotated),
+                let_through=tuple(
+                    let and isinstance(leaf, jax.ShapeDtypeStruct) and not a for leaf, a in zip(leaves, annotated)
+                ),
+            )
+            key = id(avals)
+            with _outputs_lock:
+                _outputs[key] = record
+            weakref.finalize(wrapper, _forget_outputs, key, avals)
+            return wrapper
+
+        return make
+
+    def convert(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Lets an unannotated out_shape leaf through while a kernel whose body has
+        a rule is built (JAX refuses it under checking); JAX's conversion otherwise."""
+        field = self.field
+        regime = self.regime
+
+        def convert(out_shape: Any) -> Any:
+            if (not _letting_through.get() or not isinstance(out_shape, jax.ShapeDtypeStruct)
+                    or field.annotated(out_shape) or not vma.checking()):
+                return original(out_shape)
+            caller = _caller()
+            if caller is None or caller.f_globals.get("__name__") != "jax._src.pallas.mpmd":
+                return original(out_shape)
+            return original(regime._annotate(out_shape, frozenset()))
+
+        return convert
+
+    def mpmd_bind(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        codes = self.codes
+
+        def bind(*args: Any, **params: Any) -> Any:
+            wrapper = _caller()
+            if wrapper is None or codes.mpmd_wrapper is None or wrapper.f_code is not codes.mpmd_wrapper:
+                body = _discharging.get()
+                if body is not None:  # 0.9: a registered body's core_map, discharged
+                    _remember(params.get("jaxprs", ()), body)
+                return original(*args, **params)  # a re-bind (discharge, vmap, lowering)
+            local = _locals(wrapper)
+            fns = [fn for _, fn in local.get("meshes_and_fns", ())]
+            outer = wrapper.f_back
+            if outer is not None and outer.f_code is codes.core_map_wrapped:  # 0.11+: pl.core_map
+                reg = next((r for r in map(lookup, fns) if r is not None), None)
+                if reg is not None and vma.checking() and vma.manual_axes():
+                    raise _errors.RuleError(_core_map_message(reg, vma.manual_axes()))
+                return original(*args, **params)
+            if len(fns) == len(params.get("jaxprs", ())):
+                for fn, jaxpr in zip(fns, params["jaxprs"]):
+                    _remember((jaxpr,), fn)
+            regs = [(fn, lookup(fn)) for fn in fns]
+            registered = [(fn, reg) for fn, reg in regs if reg is not None]
+            out_avals = tuple(params.get("out_avals", ()))
+            if not (vma.checking() and vma.manual_axes()):
+                return original(*args, **params)
+            made = _outputs_of(local.get("flat_out_avals"), len(out_avals))
+            if not registered:
+                if any(made.let_through):
+                    raise _errors.MissingRuleError(_errors.missing_rule_message(
+                        kernel_name(params), vma.manual_axes(), _common.JAX_VERSION,
+                        jax_error="an out_shape leaf without manual_axis_type was let through for a "
+                                  "body whose rule has since been removed",
+                    ))
+                return original(*args, **params)
+            num_user = len(local.get("flat_args", args))
+            user, rest = args[:num_user], args[num_user:]
+            in_vary = self._in_varying(user)
+            decision = self._agreed(registered, len(fns), in_vary, len(out_avals))
+            reg = registered[0][1]
+            cast = list(user)
+            if decision.inputs is not None:
+                for i, (x, now, target) in enumerate(zip(user, in_vary, decision.inputs)):
+                    if target - now and not _is_ref(x):
+                        cast[i] = vma.cast_up(x, target - now)
+            # Typed by the rule unless the user's annotation made the type. For a kernel
+            # object built before reprules activated, only a varying type shows one.
+            typed = tuple(
+                a if honoured or (not let and self.field.varying(a)) else self.field.retype(a, v)
+                for a, v, honoured, let in zip(out_avals, decision.outputs, made.honoured, made.let_through)
+            )
+            with _common.tracing(reg):
+                out = original(*cast, *rest, **{**params, "out_avals": typed})
+            self.regime._maybe_verify(reg, list(out))
+            return out
+
+        return bind
+
+    def _agreed(self, registered: list[tuple[Any, Registration]], num_bodies: int,
+                in_vary: tuple[frozenset[str], ...], num_out: int) -> Decision:
+        """The decision of every registered body, which must agree (MPMD)."""
+        decisions = [
+            (reg, decide(reg, self._context(reg, len(in_vary), num_out), in_vary)) for _, reg in registered
+        ]
+        first = decisions[0][1]
+        if any(d != first for _, d in decisions[1:]):
+            raise _errors.RuleError(_mpmd_message(decisions, num_bodies, vma.manual_axes()))
+        return first
+
+
+def _forget_outputs(key: int, avals: tuple[Any, ...]) -> None:
+    with _outputs_lock:
+        record = _outputs.get(key)
+        if record is not None and record.avals is avals:
+            del _outputs[key]
+
+
+def _outputs_of(avals: Any, count: int) -> _Outputs:
+    """What is known of how a kernel object's out types were made (nothing if it
+    was built before reprules activated)."""
+    with _outputs_lock:
+        record = _outputs.get(id(avals))
+    if record is not None and record.avals is avals and len(record.honoured) == count:
+        return record
+    return _Outputs(avals=(), honoured=(False,) * count, let_through=(False,) * count)
+
+
+def _is_ref(x: Any) -> bool:
+    return hasattr(jax.typeof(x), "inner_aval")
+
+
+def _core_map_message(reg: Registration, mesh_axes: Sequence[str]) -> str:
+    return (
+        f"The function {reg.where!r} passed to pl.core_map has the replication rule {reg.rule!r}, "
+        "but reprules cannot apply a rule to pl.core_map "
+        f"(mesh axes {_errors.fmt_axes(mesh_axes)}, JAX {_common.JAX_VERSION}).\n"
+        "Why: pl.core_map has no outputs. It writes into refs its caller made, and JAX types them "
+        "by the values they were made from; a rule cannot change those types, and ignoring it "
+        "silently could hide a wrong one.\n"
+        "Fix: call the body through pl.kernel(body, out_shape=..., mesh=...) (JAX 0.8+), with the "
+        "rule on the body, or make the output refs from values that vary as the outputs do "
+        "(cast them up with jax.lax.pvary / jax.lax.pcast(..., to='varying') before "
+        f"jax.new_ref) and remove the rule: reprules.unregister({reg.name})."
+    )
+
+
+def _mpmd_message(decisions: list[tuple[Registration, Decision]], num_bodies: int,
+                  mesh_axes: Sequence[str]) -> str:
+    lines = "\n".join(
+        f"  - {reg.where!r} (rule {reg.rule!r}): outputs vary over "
+        f"{[sorted(o) for o in d.outputs]}, inputs cast to "
+        f"{'as they are' if d.inputs is None else [sorted(i) for i in d.inputs]}"
+        for reg, d in decisions
+    )
+    return (
+        f"The MPMD pl.kernel with {num_bodies} bodies has registered bodies whose replication "
+        f"rules disagree (mesh axes {_errors.fmt_axes(mesh_axes)}, JAX {_common.JAX_VERSION}):\n"
+        f"{lines}\n"
+        "Why: the bodies run as one kernel with one set of outputs, so reprules types them by "
+        "the rule of its registered bodies, which must give the same answer.\n"
+        "Fix: register the same rule on every body (or on one of them)."
+    )

@@ -1,0 +1,374 @@
+"""``custom_vjp`` cotangents of registered kernels (vma and mat regimes).
+
+A replicated weight used on sharded activations gets, from a kernel's bwd, a
+cotangent that varies over the activations' axes. JAX <= 0.5 psums it; from
+0.6.2 JAX refuses it (the bwd output must have the primal's type). reprules
+psums it, but only where that is provably exact and only for ``custom_vjp``s
+that involve a registered kernel:
+
+* **Which ``custom_vjp``s.** One whose fwd or bwd, while being traced, calls a
+  kernel that has a rule (``_common.note_registered_call``). Every other
+  ``custom_vjp`` runs exactly as with JAX alone, JAX's refusals included. The
+  fwd is always traced before the bwd runs, so the bwd knows.
+* **When the psum is exact.** The bwd is traced to a jaxpr first. A cotangent
+  varying over axis ``a`` where its primal does not is psummed over ``a`` only
+  if no part of it that depends on the incoming cotangents was replicated over
+  ``a`` and then made varying (an explicit or automatic ``pvary``, a kernel whose
+  rule casts it up, any equation turning an ``a``-replicated input into an
+  ``a``-varying output), and no collective over ``a`` touched it. Such a part
+  would be counted once per device. Otherwise reprules raises
+  :class:`reprules.CotangentError`, naming the fix.
+
+Covers every ``custom_vjp`` entry point: ``jax.custom_vjp.__call__`` (which,
+on 0.12, also builds the ``jax_custom_vjp3`` implementation from ``fwd``/``bwd``)
+and ``custom_vjp3.__call__`` (0.9.1 - 0.11, where the flag picks the class when
+the function is decorated). ``defvjp_with_accums`` (0.12) pushes cotangents into
+accumulators rather than returning them; reprules leaves those to JAX.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from reprules import _errors
+from reprules._shim import _common
+
+Field = Any  # vma.TypeField: reads the varying axes of a type
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call of a ``custom_vjp`` function: what its bwd needs to know."""
+
+    name: str
+    arg_names: tuple[str, ...]
+    static: frozenset[int]  # nondiff_argnums: no cotangent is returned for these
+    with_logs: bool
+    watch: _common.Watch = dataclasses.field(default_factory=_common.Watch)
+    primal_types: tuple[Any, ...] | None = None  # per differentiable argument, a pytree of types
+    fwd_args: tuple[Any, ...] = ()  # the fwd's arguments, arrays as their types
+
+
+def install(patches: _common.Patches, field: Field) -> None:
+    from jax._src import custom_derivatives
+
+    classes: list[tuple[Any, str]] = [(custom_derivatives.custom_vjp, "nondiff_argnums")]
+    try:  # 0.9.1+: the jax_custom_vjp3 implementation
+        from jax._src.hijax import custom_vjp3
+
+        classes.append((custom_vjp3, "static_argnums"))
+    except ImportError:
+        pass
+    for cls, static_attr in classes:
+        patches.setattr(cls, "__call__", _wrap_call(cls.__call__, static_attr, field))
+    _install_psum_batching_fix(patches)
+
+
+# JAX 0.8.x: psum of a vmapped value inside shard_map fails in JAX's own
+# batcher (it binds psum_invariant with a stray axis_index_groups). reprules'
+# cotangent psum runs under vmap when the custom_vjp is vmapped, so it uses a
+# corrected batcher -- only for its own psum, so user code sees JAX unchanged.
+_own_psum: contextvars.ContextVar[bool] = contextvars.ContextVar("reprules_own_psum", default=False)
+
+
+def _install_psum_batching_fix(patches: _common.Patches) -> None:
+    if _common.version_tuple()[:2] != (0, 8):
+        return
+    from jax._src.interpreters import batching
+    from jax._src.lax import parallel
+
+    prim = parallel.psum_invariant_p
+    original = batching.fancy_primitive_batchers[prim]
+
+    def batcher(axis_data: Any, vals_in: Any, dims_in: Any, axes: Any) -> Any:
+        (value,), (dim,) = vals_in, dims_in
+        names_only = all(isinstance(a, str) for a in axes)
+        if _own_psum.get() and dim is not None and names_only and axis_data.name not in axes:
+            return prim.bind(value, axes=axes), dim
+        return original(axis_data, vals_in, dims_in, axes)
+
+    patches.setitem(batching.fancy_primitive_batchers, prim, batcher)
+
+
+def _psum(x: Any, axes: frozenset[str]) -> Any:
+    from reprules._shim import vma
+
+    token = _own_psum.set(True)
+    try:
+        return vma.psum(x, axes)
+    finally:
+        _own_psum.reset(token)
+
+
+def _wrap_call(original: Callable[..., Any], static_attr: str, field: Field) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        fwd, bwd = getattr(self, "fwd", None), getattr(self, "bwd", None)
+        if fwd is None or bwd is None or getattr(self, "with_accums", False):
+            return original(self, *args, **kwargs)
+        fun = getattr(self, "fun", None) or getattr(self, "f", None)
+        call = _Call(
+            name=str(getattr(fun, "__qualname__", None) or getattr(fun, "__name__", "custom_vjp")),
+            arg_names=_arg_names(fun),
+            static=frozenset(getattr(self, static_attr, ()) or ()),
+            with_logs=bool(getattr(self, "with_logs", False)),
+        )
+        proxy = object.__new__(type(self))  # the user's object is left as it was
+        proxy.__dict__.update(self.__dict__)  # (copy.copy would call custom_vjp.__new__)
+        proxy.fwd = _watched_fwd(fwd, call)
+        proxy.bwd = _fixed_bwd(fwd, bwd, call, field)
+        return original(proxy, *args, **kwargs)
+
+    return __call__
+
+
+def _arg_names(fun: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fun).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def _watched_fwd(fwd: Callable[..., Any], call: _Call) -> Callable[..., Any]:
+    @functools.wraps(fwd)
+    def watched(*args: Any) -> Any:
+        dynamic = [a for i, a in enumerate(args) if i not in call.static]
+        call.primal_types = tuple(jax.tree_util.tree_map(_type_of, a) for a in dynamic)
+        call.fwd_args = tuple(jax.tree_util.tree_map(lambda x: _type_of(x) or x, args))
+        with _common.watching(call.watch):
+            return fwd(*args)
+
+    return watched
+
+
+def _type_of(x: Any) -> Any:
+    x = getattr(x, "value", x)  # symbolic_zeros: fwd gets CustomVJPPrimal(value, perturbed)
+    try:
+        return jax.typeof(x)
+    except TypeError:
+        return None
+
+
+def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: _Call, field: Field) -> Callable[..., Any]:
+    @functools.wraps(bwd)
+    def fixed(*args: Any) -> Any:
+        if call.watch.involved:  # the fwd traced a registered kernel's call
+            return _traced_and_fixed(bwd, call, field, args)
+        own = _common.Watch()
+        with _common.watching(own):
+            out = bwd(*args)
+        if not _has_excess(out, call, field):
+            return out  # nothing to fix: exactly what JAX alone does
+        # JAX alone refuses this cotangent. Fix it only if a registered kernel
+        # is involved: one the bwd traced, or one in the fwd's or the bwd's
+        # jaxpr (a cached trace is reused without tracing the kernel again).
+        if own.involved or _fwd_involves_registered(fwd, call):
+            return _traced_and_fixed(bwd, call, field, args)
+        fixed_out = _traced_and_fixed(bwd, call, field, args, only_if_registered=True)
+        return out if fixed_out is None else fixed_out  # None: JAX's own refusal stands
+
+    return fixed
+
+
+def _fwd_involves_registered(fwd: Callable[..., Any], call: _Call) -> bool:
+    from jax._src import core
+
+    flat, tree = jax.tree_util.tree_flatten(call.fwd_args)
+    dynamic = [i for i, x in enumerate(flat) if isinstance(x, core.AbstractValue)]
+
+    def flat_fwd(*xs: Any) -> Any:
+        leaves = list(flat)
+        for i, x in zip(dynamic, xs):
+            leaves[i] = x
+        return fwd(*jax.tree_util.tree_unflatten(tree, leaves))
+
+    watch = _common.Watch()
+    try:
+        with _common.watching(watch):
+            closed = jax.make_jaxpr(flat_fwd)(*[flat[i] for i in dynamic])
+    except Exception:  # noqa: BLE001 - e.g. symbolic-zeros primals: cannot tell, so JAX decides
+        return watch.involved
+    return watch.involved or _common.jaxpr_calls_registered(closed.jaxpr)
+
+
+def _split_logs(out: Any, call: _Call) -> tuple[Any, Any]:
+    if call.with_logs and isinstance(out, (tuple, list)) and len(out) == 2:
+        return out[0], out[1]
+    return out, None
+
+
+def _cts_and_types(out: Any, call: _Call) -> list[tuple[Any, Any]] | None:
+    """(cotangent leaf, primal type) pairs, or None for a malformed output
+    (JAX's own check then reports it)."""
+    cts, _ = _split_logs(out, call)
+    if isinstance(cts, list):
+        cts = tuple(cts)
+    if call.primal_types is None or not isinstance(cts, tuple) or len(cts) != len(call.primal_types):
+        return None
+    pairs: list[tuple[Any, Any]] = []
+    try:
+        jax.tree_util.tree_map(
+            lambda ct, t: pairs.append((ct, t)), cts, call.primal_types, is_leaf=lambda x: x is None
+        )
+    except (ValueError, TypeError):
+        return None
+    return pairs
+
+
+def _ct_varying(field: Field, ct: Any) -> frozenset[str]:
+    try:
+        return field.varying(jax.typeof(ct)) if ct is not None else frozenset()
+    except TypeError:  # not a JAX value: JAX's own check reports it
+        return frozenset()
+
+
+def _has_excess(out: Any, call: _Call, field: Field) -> bool:
+    pairs = _cts_and_types(out, call) or []  # None: malformed, JAX's own check reports it
+    return any(_ct_varying(field, ct) - field.varying(t) for ct, t in pairs if t is not None)
+
+
+def _traced_and_fixed(bwd: Callable[..., Any], call: _Call, field: Field, args: Sequence[Any],
+                      only_if_registered: bool = False) -> Any:
+    """Traces the bwd to a jaxpr, evaluates it, and psums each cotangent over
+    the axes it varies over and its primal does not, where that is exact.
+
+    With ``only_if_registered``, returns None (nothing evaluated) unless the
+    bwd's jaxpr calls a registered kernel."""
+    from jax._src import core
+
+    from reprules._shim import vma
+
+    flat, tree = jax.tree_util.tree_flatten(tuple(args))
+    # Arrays in the residuals and cotangents are traced; anything else (the
+    # nondiff_argnums values first, Python constants, SymbolicZero) is closed over.
+    first = len(jax.tree_util.tree_leaves(tuple(args[: len(call.static)])))
+    dynamic = [i for i, x in enumerate(flat) if i >= first and _is_traceable(x)]
+
+    def flat_bwd(*xs: Any) -> Any:
+        leaves = list(flat)
+        for i, x in zip(dynamic, xs):
+            leaves[i] = x
+        return bwd(*jax.tree_util.tree_unflatten(tree, leaves))
+
+    dyn_args = [flat[i] for i in dynamic]
+    watch = _common.Watch()
+    with _common.watching(watch):
+        closed, out_shape = jax.make_jaxpr(flat_bwd, return_shape=True)(*dyn_args)
+    if only_if_registered and not (watch.involved or _common.jaxpr_calls_registered(closed.jaxpr)):
+        return None
+    num_res = len([i for i in dynamic if i < len(jax.tree_util.tree_leaves(tuple(args[:-1])))])
+    taints = _taints(closed.jaxpr, num_res, field)
+    out_flat = core.eval_jaxpr(closed.jaxpr, closed.consts, *dyn_args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    out = jax.tree_util.tree_unflatten(out_tree, out_flat)
+    taint_tree = jax.tree_util.tree_unflatten(out_tree, taints)
+    cts, logs = _split_logs(out, call)
+    ct_taints, _ = _split_logs(taint_tree, call)
+    if call.primal_types is None or not isinstance(cts, (tuple, list)) or len(cts) != len(call.primal_types):
+        return out
+    manual = vma.manual_axes()
+    fixed = []
+    for index, (ct, taint, types) in enumerate(zip(cts, ct_taints, call.primal_types)):
+        fixed.append(
+            jax.tree_util.tree_map(
+                lambda c, t, ty, i=index: _fix_leaf(c, t, ty, i, call, field, manual),
+                ct, taint, types, is_leaf=lambda x: x is None,
+            )
+            if ct is not None else None
+        )
+    fixed_cts = tuple(fixed)
+    return (fixed_cts, logs) if call.with_logs else fixed_cts
+
+
+def _is_traceable(x: Any) -> bool:
+    import numpy as np
+    from jax._src import core
+
+    return isinstance(x, (jax.Array, core.Tracer, np.ndarray, np.generic))
+
+
+def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: int, call: _Call,
+              field: Field, manual: tuple[str, ...]) -> Any:
+    from reprules._shim import vma
+
+    if ct is None or primal_type is None or not hasattr(primal_type, "shape"):
+        return ct
+    have, want = _ct_varying(field, ct), field.varying(primal_type)
+    excess = have - want
+    if excess & (taint or frozenset()):
+        raise _errors.CotangentError(
+            _errors.mixed_cotangent_message(
+                call.name, _input_name(call, index), str(primal_type.str_short()),
+                excess & (taint or frozenset()), manual, _common.JAX_VERSION,
+            )
+        )
+    if excess:
+        ct = _psum(ct, excess)
+    if want - have:  # a replicated cotangent for a varying input: a free cast
+        ct = vma.cast_up(ct, want - have)
+    return ct
+
+
+def _input_name(call: _Call, index: int) -> str:
+    dynamic = [n for i, n in enumerate(call.arg_names) if i not in call.static]
+    return f"input {index} ({dynamic[index]!r})" if index < len(dynamic) else f"input {index}"
+
+
+# --- which cotangent outputs mix replicated and varying parts ------------------
+
+
+def _taints(jaxpr: Any, num_res: int, field: Field) -> list[frozenset[str] | None]:
+    """Per output of the bwd ``jaxpr``: the axes over which a part of it that
+    depends on the incoming cotangents (inputs ``num_res`` on) was replicated
+    and then made varying, or went through a collective; None if the output
+    does not depend on the cotangents at all."""
+    from jax._src import core
+
+    from reprules._shim import core_map
+
+    taint: dict[Any, frozenset[str]] = {v: frozenset() for v in jaxpr.invars[num_res:]}
+    for eqn in jaxpr.eqns:
+        deps = [v for v in eqn.invars if isinstance(v, core.Var) and v in taint]
+        if not deps:
+            continue
+        found = frozenset().union(*(taint[v] for v in deps))
+        replicated_in = frozenset().union(*(_manual_complement(field, v.aval) for v in deps))
+        varying_out = frozenset().union(*(field.varying(o.aval) for o in eqn.outvars))
+        found |= replicated_in & varying_out
+        found |= core_map.collective_axes(eqn, _collective_axes)  # pl.kernel: its own casts aside
+        for o in eqn.outvars:
+            taint[o] = found
+    return [taint.get(v) if isinstance(v, core.Var) else None for v in jaxpr.outvars]
+
+
+def _manual_complement(field: Field, aval: Any) -> frozenset[str]:
+    from reprules._shim import vma
+
+    varying: frozenset[str] = field.varying(aval)
+    return frozenset(vma.manual_axes()) - varying
+
+
+def _collective_axes(eqn: Any) -> frozenset[str]:
+    """Every axis name an equation (or any jaxpr inside it) communicates or
+    casts over, judged conservatively from its params."""
+    found: set[str] = set()
+
+    def visit(params: dict[str, Any]) -> None:
+        for key, value in params.items():
+            if key in ("axes", "axis_name"):
+                names = value if isinstance(value, (tuple, list, set, frozenset)) else (value,)
+                found.update(n for n in names if isinstance(n, str))
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                for inner in getattr(sub, "eqns", ()):
+                    visit(inner.params)
+
+    visit(eqn.params)
+    return frozenset(found)
