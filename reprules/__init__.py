@@ -32,6 +32,7 @@ from reprules._errors import ReprulesError as ReprulesError
 from reprules._errors import RuleError as RuleError
 from reprules._errors import StrictModeError as StrictModeError
 from reprules._errors import UnsupportedJaxError as UnsupportedJaxError
+from reprules._modes import inference as inference
 from reprules._modes import strict as strict
 from reprules._modes import verify as verify
 from reprules._registry import FfiTarget as FfiTarget
@@ -77,6 +78,7 @@ __all__ = [
     "UnsupportedJaxError",
     "VaryingSet",
     "ffi_target",
+    "inference",
     "jax_support",
     "packs",
     "registered",
@@ -144,7 +146,7 @@ def replication_rule(rule: RuleLike | None = None, *, override: bool = False) ->
             _shim.attach(kernel)
         except BaseException:
             _registry.unregister(kernel)
-            if _registry.is_empty():
+            if _registry.is_empty() and not _modes.inferring():
                 _shim.deactivate()
             raise
         if before is None or before.rule != reg.rule:
@@ -211,7 +213,7 @@ def unregister(kernel: KernelLike) -> bool:
 
     with _shim.lock:  # registry and JAX patches change together
         removed = _registry.unregister(kernel)
-        if _registry.is_empty():
+        if _registry.is_empty() and not _modes.inferring():
             _shim.deactivate()
         elif removed and _shim.active() and _shim.classify(kernel) == "primitive":
             _shim.detach(kernel)
@@ -262,6 +264,11 @@ def jax_support() -> dict[str, str]:
 from reprules import _modes, _packs  # noqa: E402
 
 _packs.discover()  # cheap: reads entry-point names, loads nothing until needed
+
+if _modes.inferring():  # REPRULES_INFER=1 for a whole run
+    from reprules import _shim as _shim_for_inference
+
+    _shim_for_inference.activate()
 
 if _modes.strict_on():  # REPRULES_STRICT=1 for a whole run
     from reprules import _shim as _shim_for_strict

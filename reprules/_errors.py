@@ -7,6 +7,7 @@ itself raises in the same situation, so existing ``except`` clauses still work.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
 
@@ -45,13 +46,26 @@ def fmt_axes(axes: Iterable[str]) -> str:
     return "{" + ", ".join(repr(n) for n in names) + "}" if names else "{} (replicated)"
 
 
+def did_you_mean(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """``": did you mean 'model' (not 'modle')?"`` for the unknown names close to a known one, else ``""``."""
+    choices = sorted(known)
+    pairs = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+        if close:
+            pairs.append(f"{close[0]!r} (not {name!r})")
+    return f": did you mean {' and '.join(pairs)}?" if pairs else "."
+
+
 def missing_rule_message(
     kernel_name: str, mesh_axes: Iterable[str], jax_version: str, kind: str = "Pallas kernel",
-    jax_error: str = "",
+    jax_error: str = "", inference: str = "",
 ) -> str:
     """The message of :class:`MissingRuleError`; ``jax_error`` is the text of the
-    error JAX alone raises in the same situation, quoted at the end."""
+    error JAX alone raises in the same situation, quoted at the end;
+    ``inference`` why ``reprules.inference()`` could not derive a rule."""
     name = kernel_name.split(" ")[0]
+    axes = tuple(mesh_axes)
     if kind == "Pallas kernel":
         fix = (
             "Fix: declare it once on the kernel function, e.g.\n"
@@ -60,6 +74,15 @@ def missing_rule_message(
             "or, for a kernel you cannot edit, "
             f"`reprules.replication_rule(rules.same())({name})`."
         )
+        if inference:
+            example = axes[-1] if axes else "model"
+            fix += (
+                f"\nIf the kernel communicates, say how: e.g. rules.invariant({example!r}) when it "
+                f"all-reduces over {example!r}, rules.varying({example!r}) when it reads its "
+                "device index."
+            )
+        else:
+            fix += "\nOr derive rules for kernels that only compute locally: `with reprules.inference():`."
     elif kind == "FFI target":
         fix = (
             "Fix: register the target once, e.g.\n"
@@ -72,10 +95,11 @@ def missing_rule_message(
         )
     return (
         f"The {kind} {name!r} has no replication rule, so it cannot run "
-        f"inside a shard_map with checking on (mesh axes {fmt_axes(mesh_axes)}, "
+        f"inside a shard_map with checking on (mesh axes {fmt_axes(axes)}, "
         f"JAX {jax_version}).\n"
         f"Why: the {kind} is opaque to JAX, which therefore cannot tell over which "
-        "mesh axes its outputs vary.\n" + fix
+        "mesh axes its outputs vary."
+        + (f" {inference}" if inference else "") + "\n" + fix
         + (f"\nJAX's own error: {jax_error}" if jax_error else "")
     )
 

@@ -1,4 +1,5 @@
-"""Opt-in safety modes: verify (catch lying rules) and strict (no silent typing).
+"""Opt-in modes: verify (catch lying rules), strict (no silent typing) and
+inference (rules derived from kernel bodies).
 
 Both are read when a function is *traced*; switching one drops JAX's cached
 traces so the next call is traced again in the new mode. Both are free when off.
@@ -13,10 +14,12 @@ from collections.abc import Iterator
 
 VERIFY_ENV = "REPRULES_VERIFY"
 STRICT_ENV = "REPRULES_STRICT"
+INFER_ENV = "REPRULES_INFER"
 
 _lock = threading.Lock()
 _verify_depth = 0
 _strict_depth = 0
+_infer_depth = 0
 
 
 def _env_on(name: str) -> bool:
@@ -29,6 +32,10 @@ def verifying() -> bool:
 
 def strict_on() -> bool:
     return _strict_depth > 0 or _env_on(STRICT_ENV)
+
+
+def inferring() -> bool:
+    return _infer_depth > 0 or _env_on(INFER_ENV)
 
 
 def _retrace() -> None:
@@ -101,4 +108,53 @@ def strict() -> Iterator[None]:
         with _lock:
             _strict_depth -= 1
         _shim.sync_strict()
+        _retrace()
+
+
+@contextlib.contextmanager
+def inference() -> Iterator[None]:
+    """Derives a rule for every Pallas kernel that has none, from its body.
+
+    Inside this context (or for a whole run with ``REPRULES_INFER=1``), a
+    ``pallas_call`` whose kernel has no registered rule gets one derived from its
+    kernel jaxpr, on every JAX regime: each output varies over the axes of the
+    inputs it depends on (through values, refs, aliasing, scalar prefetch and
+    control flow), and inputs are cast up only as far as those outputs vary. A
+    registered rule always wins.
+
+    The derivation is sound or refuses: it succeeds only when every equation
+    of the body (through ``cond``, loops, ``run_scoped`` and calls) is known to
+    be local. A body that reads the device's identity (``axis_index``),
+    communicates (collectives, a DMA or semaphore with a ``device_id``) or holds
+    a primitive reprules does not know is refused with a
+    :class:`reprules.MissingRuleError` naming the primitive and its source line,
+    where JAX itself would refuse the kernel; elsewhere it is left to JAX.
+
+    Example:
+        ```python
+        with reprules.inference():
+            grads = jax.jit(step)(params, batch)   # no rules registered by hand
+        ```
+    """
+    from reprules import _registry, _shim
+
+    global _infer_depth
+    with _shim.lock:
+        with _lock:
+            _infer_depth += 1
+        try:
+            _shim.activate()
+        except BaseException:
+            with _lock:
+                _infer_depth -= 1
+            raise
+    _retrace()
+    try:
+        yield
+    finally:
+        with _shim.lock:
+            with _lock:
+                _infer_depth -= 1
+            if not inferring() and _registry.is_empty():
+                _shim.deactivate()
         _retrace()

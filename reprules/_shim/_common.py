@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -267,13 +267,44 @@ def tracing(reg: Registration) -> Iterator[None]:
 
 
 def registration_of(params: dict[str, Any]) -> Registration | None:
-    """The current registration behind a ``pallas_call_p`` equation, from its params."""
+    """The current registration behind a ``pallas_call_p`` equation, from its
+    params: its kernel's rule, else (under ``reprules.inference()``) the rule
+    derived from its body, else None."""
     from reprules._registry import lookup
 
     with _by_jaxpr_lock:
         kernel_ref = _by_jaxpr.get(params.get("jaxpr"))
     kernel = kernel_ref() if kernel_ref is not None else None
-    return lookup(kernel) if kernel is not None else None
+    reg = lookup(kernel) if kernel is not None else None
+    return reg if reg is not None else inferred_registration(params)
+
+
+def inferred_registration(params: dict[str, Any]) -> Registration | None:
+    """The rule derived from a ``pallas_call_p`` equation's kernel body, if
+    inference is on and the body is provably local; else None."""
+    from reprules import _modes
+
+    if not _modes.inferring() or "jaxpr" not in params:
+        return None
+    from reprules._shim import infer
+
+    found = infer.registration(params)
+    return found if isinstance(found, Registration) else None
+
+
+def inference_note(params: dict[str, Any], mesh_axes: Sequence[str]) -> str:
+    """Why inference refused a ``pallas_call_p`` equation, for a MissingRuleError;
+    ``""`` if inference is off or derived a rule."""
+    from reprules import _modes
+
+    if not _modes.inferring() or "jaxpr" not in params:
+        return ""
+    from reprules._shim import infer
+
+    found = infer.registration(params)
+    if isinstance(found, Registration):
+        return ""
+    return infer.refusal_text(found, kernel_name_from_params(params), mesh_axes, JAX_VERSION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,17 +443,21 @@ def rule_context(reg: Registration, mesh_axes: tuple[str, ...], num_inputs: int,
     )
 
 
+def pallas_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """(number of user operands, number of outputs) of a ``pallas_call_p`` equation."""
+    if "in_shapes" in params:  # 0.4.28 - 0.4.3x
+        return len(params["in_shapes"]), len(params["out_shapes"])
+    gm = params["grid_mapping"]  # 0.4.3x+
+    num_out = len(params["out_avals"]) if "out_avals" in params else gm.num_outputs
+    return gm.num_index_operands + gm.num_inputs, num_out
+
+
 def _pallas_layout(params: dict[str, Any], num_operands: int) -> tuple[int, int]:
     """(first user operand, number of outputs) of a ``pallas_call_p`` equation.
 
     Kernel constants and dynamic grid bounds come first; the user's arrays last.
     """
-    if "in_shapes" in params:  # 0.4.28 - 0.4.3x
-        num_user, num_out = len(params["in_shapes"]), len(params["out_shapes"])
-    else:  # 0.4.3x+
-        gm = params["grid_mapping"]
-        num_user = gm.num_index_operands + gm.num_inputs
-        num_out = len(params["out_avals"]) if "out_avals" in params else gm.num_outputs
+    num_user, num_out = pallas_counts(params)
     return num_operands - num_user, num_out
 
 
@@ -595,6 +630,9 @@ def install_pallas_hooks(
                 _remember(jaxpr, kernel_ref, direct=False)
         kernel = kernel_ref() if kernel_ref is not None else None
         reg = lookup(kernel) if kernel is not None else None
+        if reg is None:  # a registered rule always wins; else perhaps a derived one
+            reg = inferred_registration(params)
+            direct = direct or reg is not None  # derived from this very jaxpr
         return on_bind(original_bind, args, params, reg, direct)
 
     patches.setattr(prim, "bind", bind)

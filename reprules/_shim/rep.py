@@ -66,6 +66,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
             _errors.missing_rule_message(
                 op.name(params), manual_axes(mesh), _common.JAX_VERSION, kind=op.kind,
                 jax_error=str(jax_error),
+                inference=_common.inference_note(params, manual_axes(mesh)) if op.prim is _common.pallas_call_p() else "",
             )
         )
         error.__cause__ = jax_error

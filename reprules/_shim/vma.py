@@ -182,7 +182,7 @@ class Regime:
                 raise _errors.MissingRuleError(
                     _errors.missing_rule_message(
                         _common.kernel_name_from_params(params), manual_axes(), _common.JAX_VERSION,
-                        jax_error=str(refusal),
+                        jax_error=str(refusal), inference=_common.inference_note(params, manual_axes()),
                     )
                 ) from refusal
             return bind(*args, **params)

@@ -1,0 +1,665 @@
+"""Rules derived from a Pallas kernel's body (``reprules.inference()``).
+
+A kernel that only computes on its own blocks is a pure function of its
+inputs, so an output can only vary over the axes of the inputs it depends on.
+This module proves that for one kernel jaxpr, or refuses:
+
+* **Locality.** Every equation, recursively through ``cond``, ``while``,
+  ``scan``, ``run_scoped`` and call-like primitives, must be one reprules knows
+  to be local: JAX's array primitives (``jax._src.lax``), state reads and
+  writes, Pallas' program ids, local DMAs and semaphores. Anything else
+  refuses, naming the equation: reading device identity (``axis_index``),
+  communicating (collectives, a DMA or semaphore with a ``device_id``, barrier
+  semaphores), host callbacks, inline assembly, and every primitive reprules
+  does not know. An unknown primitive is never assumed local.
+* **Dataflow.** Each value and each ref carries the set of kernel operands it
+  may depend on (its *taint*). A write adds the written value's taint, the
+  index's, and the control taint of every enclosing ``cond`` predicate and
+  ``while`` condition to the ref. The body is re-analysed until no ref's taint
+  grows (the grid runs it many times; loops carry values around), so the
+  result is a fixpoint. Output ``i`` then depends on the taint of its output
+  ref, its aliased input (``input_output_aliases``), and every scalar-prefetch
+  operand if any block index map reads one (which block is read depends on it).
+
+Memory a kernel never writes (a scratch buffer or an output it leaves
+unwritten) is treated as replicated, as JAX itself treats a fresh buffer.
+
+Summaries are cached per kernel jaxpr (weakly), so a model that calls one
+kernel many times analyses it once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from reprules._errors import fmt_axes
+from reprules._registry import Registration
+from reprules.rules import Decision, RuleContext, VaryingSet
+
+Taint = frozenset[int]
+_EMPTY: Taint = frozenset()
+
+
+# -- results -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a kernel's rule cannot be derived: the first equation that is not local."""
+
+    primitive: str
+    reason: str
+    where: str  # "file:line (function)" of the equation, or "" if unknown
+
+    def describe(self) -> str:
+        at = f" at {self.where}" if self.where else ""
+        return f"`{self.primitive}`{at} {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InferredRule:
+    """The rule derived for one kernel: output ``i`` varies over the union of
+    the varying sets of the inputs in ``depends_on[i]``.
+
+    Inputs are cast up only as far as the outputs that depend on them vary
+    (so a replicated weight feeding a data-varying output is cast to
+    ``{data}``, whose transpose is the psum its gradient needs).
+    """
+
+    depends_on: tuple[frozenset[int], ...]
+
+    def __call__(self, ctx: RuleContext, in_varying: tuple[VaryingSet, ...], /) -> Decision:
+        outputs = tuple(
+            frozenset().union(*(in_varying[j] for j in deps if j < len(in_varying)))
+            for deps in self.depends_on
+        )
+        inputs = tuple(
+            vary.union(*(out for out, deps in zip(outputs, self.depends_on) if j in deps))
+            for j, vary in enumerate(in_varying)
+        )
+        return Decision(outputs=outputs, inputs=inputs)
+
+    def __repr__(self) -> str:
+        parts = [f"out{i} <- {sorted(d) if d else 'none'}" for i, d in enumerate(self.depends_on)]
+        return f"inferred({'; '.join(parts)})"
+
+
+# -- which primitives are local ------------------------------------------------
+
+# Whole modules of JAX's own array primitives: pure functions of their operands,
+# no device identity, no communication (collectives live in lax.parallel).
+_LOCAL_MODULES = (
+    "jax._src.lax.lax",
+    "jax._src.lax.slicing",
+    "jax._src.lax.special",
+    "jax._src.lax.convolution",
+    "jax._src.lax.windowed_reductions",
+    "jax._src.lax.fft",
+    "jax._src.lax.linalg",
+    "jax._src.lax.ann",
+    "jax._src.prng",
+    "jax._src.ad_util",
+)
+# ... minus those that read per-device state or whose meaning reprules has not checked.
+_NOT_LOCAL_IN_MODULES = frozenset({"infeed", "outfeed", "rng_uniform", "stage"})
+
+# Named primitives elsewhere, as (module, attribute): local leaf operations.
+_LOCAL_NAMED = (
+    ("jax._src.lax.control_flow.loops", "cumsum_p"),
+    ("jax._src.lax.control_flow.loops", "cumprod_p"),
+    ("jax._src.lax.control_flow.loops", "cummax_p"),
+    ("jax._src.lax.control_flow.loops", "cummin_p"),
+    ("jax._src.lax.control_flow.loops", "cumlogsumexp_p"),
+    ("jax._src.lax.control_flow.conditionals", "platform_index_p"),
+    ("jax._src.random", "random_gamma_p"),
+    ("jax._src.random", "random_clone_p"),
+    ("jax._src.custom_derivatives", "stop_gradient_p"),
+    ("jax._src.ad_checkpoint", "name_p"),
+    ("jax._src.ad_checkpoint", "optimization_barrier_p"),
+    ("jax._src.debugging", "debug_callback_p"),  # no outputs: values cannot flow out
+    ("jax._src.debugging", "debug_print_p"),
+    ("jax._src.core", "mutable_array_p"),
+    ("jax._src.core", "new_ref_p"),
+    ("jax._src.core", "empty_ref_p"),
+    ("jax._src.core", "freeze_p"),
+    ("jax._src.state.primitives", "get_p"),
+    ("jax._src.state.primitives", "swap_p"),
+    ("jax._src.state.primitives", "addupdate_p"),
+    ("jax._src.state.primitives", "broadcast_to_p"),
+    ("jax._src.pallas.primitives", "program_id_p"),
+    ("jax._src.pallas.primitives", "num_programs_p"),
+    ("jax._src.pallas.primitives", "load_p"),
+    ("jax._src.pallas.primitives", "swap_p"),
+    ("jax._src.pallas.primitives", "masked_load_p"),
+    ("jax._src.pallas.primitives", "masked_swap_p"),
+    ("jax._src.pallas.primitives", "atomic_rmw_p"),  # atomic within this device's memory
+    ("jax._src.pallas.primitives", "atomic_cas_p"),
+    ("jax._src.pallas.primitives", "max_contiguous_p"),
+    ("jax._src.pallas.primitives", "multiple_of_p"),
+    ("jax._src.pallas.primitives", "reciprocal_p"),
+    ("jax._src.pallas.primitives", "debug_print_p"),
+    ("jax._src.pallas.primitives", "delay_p"),
+    ("jax._src.pallas.primitives", "semaphore_read_p"),
+    ("jax._src.pallas.primitives", "semaphore_wait_p"),
+    ("jax._src.pallas.mosaic.primitives", "semaphore_read_p"),  # 0.4.x - 0.5
+    ("jax._src.pallas.mosaic.primitives", "semaphore_wait_p"),
+    ("jax._src.pallas.mosaic.primitives", "bitcast_p"),
+    ("jax._src.pallas.mosaic.primitives", "roll_p"),
+    ("jax._src.pallas.mosaic.primitives", "repeat_p"),
+    ("jax._src.pallas.mosaic.primitives", "delay_p"),
+    ("jax._src.pallas.mosaic.primitives", "prng_seed_p"),  # TPU PRNG: a function of its seed
+    ("jax._src.pallas.mosaic.primitives", "prng_random_bits_p"),
+    ("jax._src.pallas.mosaic.primitives", "stochastic_round_p"),
+    ("jax._src.pallas.mosaic.primitives", "pack_elementwise_p"),
+    ("jax._src.pallas.mosaic.primitives", "unpack_elementwise_p"),
+    ("jax._src.pallas.mosaic.primitives", "with_memory_space_constraint_p"),
+    ("jax._src.pallas.triton.primitives", "atomic_rmw_p"),
+    ("jax._src.pallas.triton.primitives", "atomic_cas_p"),
+    ("jax._src.pallas.triton.primitives", "max_contiguous_p"),
+)
+# Reads of a ref: the ref's contents flow out, nothing flows in.
+_READS = (
+    ("jax._src.state.primitives", "get_p"),
+    ("jax._src.pallas.primitives", "load_p"),
+    ("jax._src.pallas.primitives", "masked_load_p"),
+)
+# Local only without a device_id: (module, attribute, where device_id sits in the unflattened operands).
+_REMOTE_CAPABLE = (
+    ("jax._src.pallas.mosaic.primitives", "dma_start_p", -1),
+    ("jax._src.pallas.mosaic.primitives", "dma_wait_p", -1),
+    ("jax._src.pallas.primitives", "semaphore_signal_p", 3),
+    ("jax._src.pallas.mosaic.primitives", "semaphore_signal_p", 3),
+)
+_IDENTITY = (
+    ("jax._src.lax.parallel", "axis_index_p"),
+    ("jax._src.pallas.mosaic.primitives", "device_id_p"),
+)
+_BARRIER = (("jax._src.pallas.mosaic.primitives", "get_barrier_semaphore_p"),)
+_CALLBACKS = (
+    ("jax._src.callback", "pure_callback_p"),
+    ("jax._src.callback", "io_callback_p"),
+)
+
+
+def _resolve(names: Iterable[tuple[Any, ...]]) -> dict[Any, tuple[Any, ...]]:
+    import importlib
+
+    from jax._src import core
+
+    found: dict[Any, tuple[Any, ...]] = {}
+    for module_name, attr, *rest in names:
+        try:
+            prim = getattr(importlib.import_module(module_name), attr, None)
+        except ImportError:
+            continue
+        if isinstance(prim, core.Primitive):
+            found[prim] = tuple(rest)
+    return found
+
+
+@functools.cache
+def _tables() -> dict[str, dict[Any, tuple[Any, ...]]]:
+    import importlib
+
+    from jax._src import core
+
+    local: dict[Any, tuple[Any, ...]] = {}
+    for module_name in _LOCAL_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for value in vars(module).values():
+            if isinstance(value, core.Primitive) and value.name not in _NOT_LOCAL_IN_MODULES:
+                local[value] = ()
+    local.update(_resolve(_LOCAL_NAMED))
+    collectives: dict[Any, tuple[Any, ...]] = {}
+    try:
+        from jax._src.lax import parallel
+
+        collectives = {v: () for v in vars(parallel).values() if isinstance(v, core.Primitive)}
+    except ImportError:  # pragma: no cover - present on every supported JAX
+        pass
+    if isinstance(getattr(core, "pvary_p", None), core.Primitive):
+        collectives[core.pvary_p] = ()
+    identity = _resolve(_IDENTITY)
+    return {
+        "local": local,
+        "reads": _resolve(_READS),
+        "remote_capable": _resolve(_REMOTE_CAPABLE),
+        "identity": identity,
+        "collectives": {p: () for p in collectives if p not in identity},
+        "barrier": _resolve(_BARRIER),
+        "callbacks": _resolve(_CALLBACKS),
+        "higher_order": _resolve((
+            ("jax._src.lax.control_flow.conditionals", "cond_p"),
+            ("jax._src.lax.control_flow.loops", "while_p"),
+            ("jax._src.lax.control_flow.loops", "scan_p"),
+            ("jax._src.pallas.primitives", "run_scoped_p"),
+            ("jax._src.pallas.mosaic.primitives", "run_scoped_p"),  # 0.4.x
+            ("jax._src.pjit", "pjit_p"),
+            ("jax._src.pjit", "jit_p"),
+            ("jax._src.core", "closed_call_p"),
+            ("jax._src.core", "call_p"),
+            ("jax._src.ad_checkpoint", "remat_p"),
+            ("jax._src.custom_derivatives", "custom_jvp_call_p"),
+            ("jax._src.custom_derivatives", "custom_vjp_call_p"),
+            ("jax._src.custom_derivatives", "custom_vjp_call_jaxpr_p"),
+            ("jax._src.lax.lax", "composite_p"),
+        )),
+    }
+
+
+# -- the analysis --------------------------------------------------------------
+
+
+class _Refused(Exception):
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.describe())
+        self.refusal = refusal
+
+
+def _where(eqn: Any) -> str:
+    try:
+        from jax._src import source_info_util
+
+        return str(source_info_util.summarize(eqn.source_info))
+    except Exception:  # a summary is for messages only
+        return ""
+
+
+def _refuse(eqn: Any, reason: str) -> _Refused:
+    return _Refused(Refusal(primitive=eqn.primitive.name, reason=reason, where=_where(eqn)))
+
+
+def _is_ref(var: Any) -> bool:
+    from jax._src.state import types as state_types
+
+    return isinstance(getattr(var, "aval", None), state_types.AbstractRef)
+
+
+def _jaxpr_and_consts(value: Any) -> tuple[Any, Sequence[Any]]:
+    """(Jaxpr, consts) of a Jaxpr or ClosedJaxpr."""
+    if hasattr(value, "constvars"):  # a Jaxpr (a ClosedJaxpr has .eqns too)
+        return value, ()
+    return value.jaxpr, value.consts
+
+
+class _Analysis:
+    """Taints of the values and refs of one kernel jaxpr, to a fixpoint."""
+
+    def __init__(self) -> None:
+        self.tables = _tables()
+        self.ref_taint: dict[int, Taint] = {}
+        self.changed = False
+        self._by_var: dict[Any, int] = {}
+
+    # refs ------------------------------------------------------------------
+    def new_ref(self, var: Any, taint: Taint = _EMPTY) -> int:
+        """The buffer allocated at ``var``: one id for every pass over the body
+        (so the fixpoint sees its taint grow, not a fresh buffer each time)."""
+        rid = self._by_var.get(var)
+        if rid is None:
+            rid = self._by_var[var] = len(self._by_var) + 1
+            self.ref_taint[rid] = taint
+        else:
+            self.write(rid, taint)
+        return rid
+
+    def write(self, ref: int, taint: Taint) -> None:
+        old = self.ref_taint[ref]
+        if not taint <= old:
+            self.ref_taint[ref] = old | taint
+            self.changed = True
+
+    # one jaxpr ---------------------------------------------------------------
+    def run(self, jaxpr: Any, env: dict[Any, Any], ctrl: Taint) -> list[Any]:
+        """Analyses ``jaxpr`` once with ``env`` binding its in/const vars (a
+        taint for values, ``("ref", id)`` for refs); returns its outputs' bindings."""
+        for eqn in jaxpr.eqns:
+            ins = [self.read(env, v) for v in eqn.invars]
+            outs = self.eqn(eqn, ins, ctrl)
+            for var, out in zip(eqn.outvars, outs):
+                env[var] = out
+        return [self.read(env, v) for v in jaxpr.outvars]
+
+    @staticmethod
+    def read(env: dict[Any, Any], var: Any) -> Any:
+        if not hasattr(var, "aval") or type(var).__name__ == "Literal":
+            return _EMPTY
+        return env.get(var, _EMPTY)
+
+    def taint_of(self, binding: Any) -> Taint:
+        if isinstance(binding, tuple) and binding[:1] == ("ref",):
+            return self.ref_taint[binding[1]]
+        return binding  # type: ignore[no-any-return]
+
+    def eqn(self, eqn: Any, ins: list[Any], ctrl: Taint) -> list[Any]:
+        t = self.tables
+        prim = eqn.primitive
+        if prim in t["higher_order"]:
+            return self.higher_order(eqn, ins, ctrl)
+        if prim in t["identity"]:
+            raise _refuse(eqn, "reads the device's identity (its index on a mesh axis), so its "
+                               "outputs can differ between devices with equal inputs")
+        if prim in t["collectives"]:
+            raise _refuse(eqn, "communicates with other devices (a collective)")
+        if prim in t["barrier"]:
+            raise _refuse(eqn, "synchronises with other devices (a barrier semaphore)")
+        if prim in t["callbacks"]:
+            raise _refuse(eqn, "calls back to the host, whose result reprules cannot see")
+        if prim in t["remote_capable"]:
+            self.check_no_device_id(eqn, t["remote_capable"][prim][0])
+        elif prim not in t["local"]:
+            raise _refuse(eqn, "is not a primitive reprules knows to be local (it could "
+                               "communicate or read the device's identity)")
+        for value in _nested_jaxprs(eqn.params):  # e.g. a reduction's computation
+            self.check_local(value)
+        if any(_is_ref(v) for v in eqn.outvars):
+            if any(_is_ref(v) for v in eqn.invars):
+                raise _refuse(eqn, "makes a new view of a reference, which inference does not track")
+            # A fresh buffer (new_ref / mutable_array): its contents come from the operands.
+            start = frozenset().union(*(self.taint_of(b) for b in ins)) | ctrl
+            return [("ref", self.new_ref(v, start)) if _is_ref(v) else start for v in eqn.outvars]
+        refs = [b[1] for b in ins if isinstance(b, tuple) and b[:1] == ("ref",)]
+        values = frozenset().union(*(b for b in ins if not (isinstance(b, tuple) and b[:1] == ("ref",))))
+        if prim in t["reads"]:
+            out = values.union(*(self.ref_taint[r] for r in refs)) | ctrl
+            return [out] * len(eqn.outvars)
+        # Anything else that touches refs reads and writes all of them (a store, a
+        # local DMA from one ref into another, an atomic): a sound over-approximation.
+        out = values.union(*(self.ref_taint[r] for r in refs)) | ctrl
+        for r in refs:
+            self.write(r, out)
+        return [out] * len(eqn.outvars)
+
+    def check_no_device_id(self, eqn: Any, position: int) -> None:
+        tree = eqn.params.get("tree", eqn.params.get("args_tree"))
+        try:
+            if hasattr(tree, "unflatten"):
+                parts = tree.unflatten(list(eqn.invars))
+            else:
+                from jax import tree_util
+
+                parts = tree_util.tree_unflatten(tree, list(eqn.invars))
+            device_id = parts[position]
+        except Exception:
+            raise _refuse(eqn, "has operands reprules cannot read, so it could address another "
+                               "device") from None
+        if device_id is not None:
+            raise _refuse(eqn, "communicates with another device (it has a device_id)")
+
+    def check_local(self, value: Any) -> None:
+        jaxpr, _ = _jaxpr_and_consts(value)
+        env: dict[Any, Any] = {}
+        for v in list(jaxpr.constvars) + list(jaxpr.invars):
+            env[v] = ("ref", self.new_ref(v)) if _is_ref(v) else _EMPTY
+        self.run(jaxpr, env, _EMPTY)
+
+    # higher-order primitives --------------------------------------------------
+    def call(self, value: Any, ins: Sequence[Any], ctrl: Taint, eqn: Any) -> list[Any]:
+        """Runs a (closed) jaxpr whose invars take ``ins``, consts replicated."""
+        jaxpr, consts = _jaxpr_and_consts(value)
+        if len(jaxpr.invars) != len(ins):
+            raise _refuse(eqn, "has a body whose inputs reprules cannot match to its operands")
+        env: dict[Any, Any] = {}
+        for v in jaxpr.constvars:
+            env[v] = ("ref", self.new_ref(v)) if _is_ref(v) else _EMPTY
+        env.update(zip(jaxpr.invars, ins))
+        outs = self.run(jaxpr, env, ctrl)
+        if any(isinstance(o, tuple) for o in outs):
+            raise _refuse(eqn, "returns a reference from its body, which inference does not track")
+        return outs
+
+    def higher_order(self, eqn: Any, ins: list[Any], ctrl: Taint) -> list[Any]:
+        name = eqn.primitive.name
+        params = eqn.params
+        if name == "cond":
+            index = self.taint_of(ins[0])
+            inner = ctrl | index  # writes in a branch depend on which branch ran
+            outs = [_EMPTY] * len(eqn.outvars)
+            for branch in params["branches"]:
+                got = self.call(branch, ins[1:], inner, eqn)
+                outs = [o | g for o, g in zip(outs, got)]
+            return [o | inner for o in outs]
+        if name == "while":
+            nc, nb = params["cond_nconsts"], params["body_nconsts"]
+            cconsts, bconsts, carry = ins[:nc], ins[nc:nc + nb], list(ins[nc + nb:])
+            while True:
+                before = (tuple(carry), self.changed)
+                self.changed = False
+                (pred,) = self.call(params["cond_jaxpr"], [*cconsts, *carry], ctrl, eqn)
+                inner = ctrl | pred
+                new = self.call(params["body_jaxpr"], [*bconsts, *carry], inner, eqn)
+                carry = [c if isinstance(c, tuple) else c | n | inner for c, n in zip(carry, new)]
+                grew = self.changed or tuple(carry) != before[0]
+                self.changed = self.changed or before[1]
+                if not grew:
+                    return carry
+        if name == "scan":
+            consts, carry, xs = self._scan_split(eqn, ins)
+            ys: list[Taint] | None = None
+            while True:
+                before = (tuple(carry), self.changed)
+                self.changed = False
+                outs = self.call(params["jaxpr"], [*consts, *carry, *xs], ctrl, eqn)
+                new, ys_now = outs[:len(carry)], outs[len(carry):]
+                carry = [c if isinstance(c, tuple) else c | n for c, n in zip(carry, new)]
+                ys = ys_now if ys is None else [a | b for a, b in zip(ys, ys_now)]
+                grew = self.changed or tuple(carry) != before[0]
+                self.changed = self.changed or before[1]
+                if not grew:
+                    return [*carry, *ys]
+        if name == "run_scoped":
+            if params.get("collective_axes"):
+                raise _refuse(eqn, "allocates memory shared across cores or devices "
+                                   f"(collective_axes={params['collective_axes']})")
+            jaxpr = params["jaxpr"]
+            if len(jaxpr.constvars) != len(ins):
+                raise _refuse(eqn, "has a body whose inputs reprules cannot match to its operands")
+            env: dict[Any, Any] = dict(zip(jaxpr.constvars, ins))
+            for v in jaxpr.invars:  # the scoped allocations: fresh, never written yet
+                env[v] = ("ref", self.new_ref(v)) if _is_ref(v) else _EMPTY
+            outs = self.run(jaxpr, env, ctrl)
+            if any(isinstance(o, tuple) for o in outs):
+                raise _refuse(eqn, "returns a reference from its body, which inference does not track")
+            return outs
+        # Call-like: operands map to the body's inputs, outputs to its outputs.
+        for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+            if key in params and params[key] is not None:
+                return self.call(params[key], ins, ctrl, eqn)
+        raise _refuse(eqn, "has a body reprules cannot find")
+
+    @staticmethod
+    def _scan_split(eqn: Any, ins: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+        params = eqn.params
+        if "num_consts" in params:  # <= 0.11
+            nc, nk = params["num_consts"], params["num_carry"]
+            return ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+        ft_in = params.get("ft_in")  # 0.12: a flat tree of (consts, carry, xs)
+        try:
+            positions = ft_in.update(list(range(len(ins)))).unpack()
+            consts, carry, xs = ([ins[i] for i in part] for part in positions)
+        except Exception:
+            raise _refuse(eqn, "has operands reprules cannot split into consts, carry and xs") from None
+        return consts, carry, xs
+
+
+def _nested_jaxprs(params: dict[str, Any]) -> list[Any]:
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
+                found.append(item)
+    return found
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Summary:
+    """Per kernel invar that is a ref: the kernel invars its final contents depend on."""
+
+    ref_depends: tuple[Taint | None, ...]  # None for invars that are not refs
+
+
+def summarize(jaxpr: Any) -> _Summary | Refusal:
+    """What each ref invar of a kernel jaxpr holds at the end, in terms of the
+    initial contents of the kernel's invars (token ``k`` for invar ``k``)."""
+    with _cache_lock:
+        try:
+            cached = _cache.get(jaxpr)
+        except TypeError:
+            cached = None
+    if cached is not None:
+        return cached
+    result = _summarize(jaxpr)
+    with _cache_lock:
+        try:
+            _cache[jaxpr] = result
+        except TypeError:  # not weak-referenceable: analysed again next time
+            pass
+    return result
+
+
+_cache: weakref.WeakKeyDictionary[Any, _Summary | Refusal] = weakref.WeakKeyDictionary()
+_cache_lock = threading.Lock()
+
+
+def _summarize(jaxpr: Any) -> _Summary | Refusal:
+    analysis = _Analysis()
+    if getattr(jaxpr, "constvars", ()):
+        return Refusal("pallas_call", "has a kernel jaxpr with constants, which inference does not track", "")
+    env: dict[Any, Any] = {}
+    ref_ids: list[int | None] = []
+    for k, v in enumerate(jaxpr.invars):
+        if _is_ref(v):
+            rid = analysis.new_ref(v, frozenset({k}))
+            env[v] = ("ref", rid)
+            ref_ids.append(rid)
+        else:
+            env[v] = frozenset({k})
+            ref_ids.append(None)
+    try:
+        while True:  # the grid runs the body again and again
+            analysis.changed = False
+            analysis.run(jaxpr, dict(env), _EMPTY)
+            if not analysis.changed:
+                break
+    except _Refused as refused:
+        return refused.refusal
+    return _Summary(tuple(None if r is None else analysis.ref_taint[r] for r in ref_ids))
+
+
+# -- a pallas_call ---------------------------------------------------------------
+
+
+def for_pallas_call(params: dict[str, Any]) -> InferredRule | Refusal:
+    """The rule derived for one ``pallas_call_p`` equation, or why there is none."""
+    from reprules._shim import _common
+
+    gm = params.get("grid_mapping")
+    num_user, num_out = _common.pallas_counts(params)
+    if getattr(gm, "num_dynamic_grid_bounds", 0):
+        return Refusal("pallas_call", "has a grid whose size is an operand (dynamic grid bounds), "
+                       "which inference does not track", "")
+    jaxpr = params["jaxpr"]
+    summary = summarize(jaxpr)
+    if isinstance(summary, Refusal):
+        return summary
+    num_scratch = int(getattr(gm, "num_scratch_operands", 0) or 0)
+    num_index = int(getattr(gm, "num_index_operands", 0) or 0)
+    if len(jaxpr.invars) != num_user + num_out + num_scratch:
+        return Refusal("pallas_call", f"has a kernel with {len(jaxpr.invars)} operands where reprules "
+                       f"expects {num_user} inputs, {num_out} outputs and {num_scratch} scratch "
+                       "buffers (captured references?), which inference does not track", "")
+    index_maps = [getattr(bm, "index_map_jaxpr", None) for bm in getattr(gm, "block_mappings", ()) or ()]
+    for index_map in index_maps:
+        if index_map is not None:
+            try:
+                _Analysis().check_local(index_map)
+            except _Refused as refused:
+                return refused.refusal
+    reads_prefetch = num_index and any(
+        index_map is not None and _uses_any(_jaxpr_and_consts(index_map)[0], skip=len(getattr(gm, "grid", ())))
+        for index_map in index_maps
+    )
+    aliases = {int(o): int(i) for i, o in params.get("input_output_aliases", ())}
+    depends: list[frozenset[int]] = []
+    for i in range(num_out):
+        tokens = summary.ref_depends[num_user + i]
+        if tokens is None:  # an output that is not a ref: the layout is not what we think
+            return Refusal("pallas_call", "has a kernel whose outputs are not references", "")
+        deps: set[int] = set()
+        for k in tokens:
+            if k < num_user:
+                deps.add(k)
+            elif k < num_user + num_out and (k - num_user) in aliases:
+                deps.add(aliases[k - num_user])  # the output starts as its aliased input
+            # scratch and unaliased outputs start undefined: nothing to depend on
+        if reads_prefetch:
+            deps.update(range(num_index))
+        depends.append(frozenset(deps))
+    return InferredRule(tuple(depends))
+
+
+def registration(params: dict[str, Any]) -> Registration | Refusal:
+    """A registration carrying the rule derived for a ``pallas_call_p``
+    equation (the same object for every call of one kernel jaxpr), or why none."""
+    from reprules._shim import _common
+
+    jaxpr = params.get("jaxpr")
+    key = (params.get("input_output_aliases"), id(params.get("grid_mapping")))
+    with _cache_lock:
+        try:
+            for known_key, grid_mapping, result in _registrations.get(jaxpr, ()):
+                if known_key == key and grid_mapping is params.get("grid_mapping"):
+                    return result
+        except TypeError:  # not weak-referenceable
+            pass
+    derived = for_pallas_call(params)
+    result: Registration | Refusal
+    if isinstance(derived, Refusal):
+        result = derived
+    else:
+        name = _common.kernel_name_from_params(params)
+        result = Registration(
+            rule=derived, name=name, where=f"{name} (inferred)", kernel_ref=_no_kernel,
+            source="inferred from the kernel body",
+        )
+    with _cache_lock:
+        try:
+            _registrations.setdefault(jaxpr, []).append((key, params.get("grid_mapping"), result))
+        except TypeError:
+            pass
+    return result
+
+
+def _no_kernel() -> None:
+    return None
+
+
+_registrations: weakref.WeakKeyDictionary[Any, list[tuple[Any, Any, Registration | Refusal]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _uses_any(jaxpr: Any, skip: int) -> bool:
+    """Whether ``jaxpr`` reads any of its invars after the first ``skip`` ones."""
+    wanted = set(jaxpr.invars[skip:])
+    if not wanted:
+        return False
+    used = {v for eqn in jaxpr.eqns for v in eqn.invars} | set(jaxpr.outvars)
+    return bool(wanted & used)
+
+
+def refusal_text(refusal: Refusal, kernel: str, axes: Sequence[str], jax_version: str) -> str:
+    """The paragraph a MissingRuleError adds when inference refused ``kernel``."""
+    return (
+        f"Inference (reprules.inference()) could not derive a rule for {kernel!r}: "
+        f"{refusal.describe()} (mesh axes {fmt_axes(axes)}, JAX {jax_version}). "
+        "A derived rule must be sound, so reprules refuses when the body is not provably local."
+    )
