@@ -228,9 +228,9 @@ def _forget_traces() -> None:
     JAX caches the jaxpr of a function by its identity; a function traced before
     the change would otherwise keep the old typing (stale, and silently so).
     """
-    import jax
+    from reprules import _shim
 
-    jax.clear_caches()
+    _shim.clear_jax_caches()
 
 
 def registered() -> dict[str, Registration]:

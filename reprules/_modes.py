@@ -39,9 +39,9 @@ def inferring() -> bool:
 
 
 def _retrace() -> None:
-    import jax
+    from reprules import _shim
 
-    jax.clear_caches()
+    _shim.clear_jax_caches()
 
 
 @contextlib.contextmanager

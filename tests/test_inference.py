@@ -7,6 +7,7 @@ refs, aliasing, control flow), and bodies that read the device identity or
 communicate are refused with a teaching error.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    NEW_SHARD_MAP,
     count_all_reduce,
     env_with_cpu_devices,
     make_mesh,
@@ -262,7 +264,7 @@ def test_verify_checks_inferred_rules(mesh, monkeypatch):
     from reprules._shim import infer
 
     # A wrong derivation (impossible by construction, so forced here) must be caught.
-    monkeypatch.setattr(infer, "for_pallas_call", lambda params: infer.InferredRule((frozenset(),)))
+    monkeypatch.setattr(infer, "for_pallas_call", lambda params: infer.InferredRule((frozenset(),), 1))
     x = put(randn(0, (8, 16)), mesh, P("data", None))
     f = shard_map(fresh_copy, mesh, P("data", None), P())
     with pytest.raises(reprules.ReplicationMismatchError, match="'data'"):
@@ -288,3 +290,60 @@ def test_whole_process_switch_env_variable():
     assert done.returncode == 0, done.stderr[-2000:]
     status, error = done.stdout.split()
     assert status == "ok" and float(error) < 1e-30  # 0.4.28 leaves ~1e-38 (mb_div)
+
+
+# --- JAX's own megablox gmm: nested kernels, a dynamic grid, scalar prefetch, custom_vjp ---
+
+
+def _megablox():
+    try:
+        from jax.experimental.pallas.ops.tpu.megablox import gmm
+    except ImportError as err:
+        pytest.skip(f"JAX {jax.__version__} has no megablox gmm ({err})")
+    import contextlib
+    import inspect
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    if "interpret" in inspect.signature(gmm).parameters:  # JAX <= 0.x: an argument
+        return functools.partial(gmm, interpret=True), contextlib.nullcontext
+    if hasattr(pltpu, "force_tpu_interpret_mode"):
+        return gmm, pltpu.force_tpu_interpret_mode
+    pytest.skip(f"megablox gmm of JAX {jax.__version__} has no CPU interpret mode")
+
+
+@pytest.mark.xfail(
+    not NEW_SHARD_MAP, strict=True, raises=Exception,
+    reason="JAX <= 0.5's own check_rep rule for scan refuses megablox's metadata loop (literal "
+    "carry): 'Scan carry input and output got mismatched replication types [None, None]'",
+)
+def test_megablox_gmm_forward_and_gradients_equal_the_reference(mesh):
+    gmm, interpret = _megablox()
+    m, k, n = 512, 128, 128
+    lhs = put(randn(0, (m, k)), mesh, P("data", None))
+    rhs = put(randn(1, (2, k, n)), mesh, P())
+    sizes = jnp.array([48, 80], jnp.int32)  # per data shard of 128 rows: two ragged groups
+
+    def grouped(lhs, rhs):
+        return gmm(lhs, rhs, sizes, preferred_element_type=jnp.float32, tiling=(128, 128, 128))
+
+    f = shard_map(grouped, mesh, (P("data", None), P()), P("data", None))
+    t = randn(2, (m, n))
+
+    def loss(lhs, rhs):
+        return (f(lhs, rhs) * t).sum()
+
+    with interpret(), reprules.inference():
+        out = jax.jit(f)(lhs, rhs)
+        grad = jax.grad(loss, argnums=(0, 1))
+        psums = psum_axes(grad, lhs, rhs)
+        glhs, grhs = jax.jit(grad)(lhs, rhs)
+    # Reference, unsharded, in NumPy: rows of group g (within each shard) times rhs[g].
+    ln, rn, tn = (np.asarray(a, np.float64) for a in (lhs, rhs, t))
+    group = np.tile(np.repeat([0, 1], [48, 80]), 4)
+    expected = np.einsum("mk,mkn->mn", ln, rn[group])
+    assert max_err(out, expected) < 1e-3
+    assert max_err(glhs, np.einsum("mn,mkn->mk", tn, rn[group])) < 1e-3
+    expected_rhs = np.stack([ln[group == g].T @ tn[group == g] for g in (0, 1)])
+    assert max_err(grhs, expected_rhs) / np.abs(expected_rhs).max() < 1e-5
+    assert psums == [("data",)]  # the weight gradient's psum; nothing over 'model'

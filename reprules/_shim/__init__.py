@@ -201,3 +201,20 @@ def sync_strict() -> None:
 
 def active() -> bool:
     return _patches is not None
+
+
+def clear_jax_caches() -> None:
+    """``jax.clear_caches()``, safe against threads that trace meanwhile.
+
+    JAX iterates a WeakSet of its caches while clearing; a thread that creates
+    a cache at that moment makes it raise "Set changed size during iteration"
+    (seen on 0.6.2). Clearing is idempotent, so it is simply done again."""
+    import jax
+
+    for attempt in range(8):
+        try:
+            jax.clear_caches()
+            return
+        except RuntimeError as err:
+            if "changed size during iteration" not in str(err) or attempt == 7:
+                raise

@@ -329,14 +329,35 @@ def _taints(jaxpr: Any, num_res: int, field: Field) -> list[frozenset[str] | Non
     depends on the incoming cotangents (inputs ``num_res`` on) was replicated
     and then made varying, or went through a collective; None if the output
     does not depend on the cotangents at all."""
+    ins: list[frozenset[str] | None] = [None] * num_res + [frozenset()] * (len(jaxpr.invars) - num_res)
+    return _taint_flow(jaxpr, ins, field)
+
+
+# Call-like primitives whose body takes the equation's operands and gives its
+# results: followed inside, so that a cast of a value that does not depend on
+# the cotangents (a kernel's replicated operand cast up inside a jitted
+# wrapper) is not mistaken for one that does.
+_CALL_BODIES = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+                "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+
+
+def _taint_flow(jaxpr: Any, in_taints: Sequence[frozenset[str] | None], field: Field
+                ) -> list[frozenset[str] | None]:
     from jax._src import core
 
     from reprules._shim import core_map
 
-    taint: dict[Any, frozenset[str]] = {v: frozenset() for v in jaxpr.invars[num_res:]}
+    taint: dict[Any, frozenset[str]] = {v: t for v, t in zip(jaxpr.invars, in_taints) if t is not None}
     for eqn in jaxpr.eqns:
         deps = [v for v in eqn.invars if isinstance(v, core.Var) and v in taint]
         if not deps:
+            continue
+        body = _call_body(eqn)
+        if body is not None:
+            inner = _taint_flow(body, [taint.get(v) if isinstance(v, core.Var) else None for v in eqn.invars], field)
+            for o, t in zip(eqn.outvars, inner):
+                if t is not None:
+                    taint[o] = t
             continue
         found = frozenset().union(*(taint[v] for v in deps))
         replicated_in = frozenset().union(*(_manual_complement(field, v.aval) for v in deps))
@@ -346,6 +367,17 @@ def _taints(jaxpr: Any, num_res: int, field: Field) -> list[frozenset[str] | Non
         for o in eqn.outvars:
             taint[o] = found
     return [taint.get(v) if isinstance(v, core.Var) else None for v in jaxpr.outvars]
+
+
+def _call_body(eqn: Any) -> Any:
+    """The body jaxpr of a call-like equation, if its inputs and outputs match the equation's."""
+    key = _CALL_BODIES.get(eqn.primitive.name)
+    value = eqn.params.get(key) if key else None
+    body = getattr(value, "jaxpr", value)
+    if (not hasattr(body, "eqns") or len(body.invars) != len(eqn.invars)
+            or len(body.outvars) != len(eqn.outvars)):
+        return None
+    return body
 
 
 def _manual_complement(field: Field, aval: Any) -> frozenset[str]:

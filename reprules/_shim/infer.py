@@ -66,27 +66,39 @@ class InferredRule:
     """The rule derived for one kernel: output ``i`` varies over the union of
     the varying sets of the inputs in ``depends_on[i]``.
 
-    Inputs are cast up only as far as the outputs that depend on them vary
-    (so a replicated weight feeding a data-varying output is cast to
-    ``{data}``, whose transpose is the psum its gradient needs).
+    The rule is given every operand of the ``pallas_call``: first those JAX
+    passes before the user's inputs (dynamic grid bounds, on which every
+    output depends, since they decide which grid steps run), then the
+    ``num_user`` user inputs that ``depends_on`` indexes. Inputs are cast up
+    only as far as the outputs that depend on them vary (so a replicated
+    weight feeding a data-varying output is cast to ``{data}``, whose
+    transpose is the psum its gradient needs).
     """
 
     depends_on: tuple[frozenset[int], ...]
+    num_user: int
 
     def __call__(self, ctx: RuleContext, in_varying: tuple[VaryingSet, ...], /) -> Decision:
+        lead = len(in_varying) - self.num_user
+        leading = frozenset().union(*in_varying[:lead])
         outputs = tuple(
-            frozenset().union(*(in_varying[j] for j in deps if j < len(in_varying)))
-            for deps in self.depends_on
+            leading.union(*(in_varying[lead + j] for j in deps)) for deps in self.depends_on
         )
-        inputs = tuple(
+        inputs = in_varying[:lead] + tuple(
             vary.union(*(out for out, deps in zip(outputs, self.depends_on) if j in deps))
-            for j, vary in enumerate(in_varying)
+            for j, vary in enumerate(in_varying[lead:])
         )
         return Decision(outputs=outputs, inputs=inputs)
 
     def __repr__(self) -> str:
         parts = [f"out{i} <- {sorted(d) if d else 'none'}" for i, d in enumerate(self.depends_on)]
         return f"inferred({'; '.join(parts)})"
+
+
+def rule_operands_start(reg: Any, first_user: int) -> int:
+    """Where the operands a rule is given start: every operand for a derived
+    rule (see :class:`InferredRule`), the user's inputs for a registered one."""
+    return 0 if isinstance(reg.rule, InferredRule) else first_user
 
 
 # -- which primitives are local ------------------------------------------------
@@ -563,9 +575,6 @@ def for_pallas_call(params: dict[str, Any]) -> InferredRule | Refusal:
 
     gm = params.get("grid_mapping")
     num_user, num_out = _common.pallas_counts(params)
-    if getattr(gm, "num_dynamic_grid_bounds", 0):
-        return Refusal("pallas_call", "has a grid whose size is an operand (dynamic grid bounds), "
-                       "which inference does not track", "")
     jaxpr = params["jaxpr"]
     summary = summarize(jaxpr)
     if isinstance(summary, Refusal):
@@ -603,7 +612,7 @@ def for_pallas_call(params: dict[str, Any]) -> InferredRule | Refusal:
         if reads_prefetch:
             deps.update(range(num_index))
         depends.append(frozenset(deps))
-    return InferredRule(tuple(depends))
+    return InferredRule(tuple(depends), num_user)
 
 
 def registration(params: dict[str, Any]) -> Registration | Refusal:

@@ -20,7 +20,7 @@ from reprules import _errors, _modes
 from reprules._decide import decide
 from reprules._registry import Registration
 from reprules.rules import Decision, VaryingSet
-from reprules._shim import _common, _verify
+from reprules._shim import _common, _verify, infer
 
 NAME = "rep"
 VERSIONS = "0.4.28 - 0.5.x"
@@ -54,6 +54,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
         if reg is None:
             return None
         first, num_out = op.layout(params, len(in_rep))
+        first = infer.rule_operands_start(reg, first)
         # A rep of None marks a literal: replicated everywhere.
         in_vary = tuple(all_axes - r if r is not None else frozenset() for r in in_rep[first:])
         # num_out None: a multiple-results primitive, whose count is unknown here.

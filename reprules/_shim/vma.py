@@ -32,7 +32,7 @@ import jax
 from reprules import _errors, _modes
 from reprules._decide import decide
 from reprules._registry import Registration
-from reprules._shim import _common, _verify, custom_vjp
+from reprules._shim import _common, _verify, custom_vjp, infer
 from reprules.rules import RuleContext
 
 NAME = "vma"
@@ -190,6 +190,7 @@ class Regime:
             # Outside a checked shard_map, or a JVP/vmap of a call typed already.
             return _common.traced_bind(bind, args, params, reg, direct)
         first, _ = _common._pallas_layout(params, len(args))
+        first = infer.rule_operands_start(reg, first)
         out_avals = tuple(params["out_avals"])
         in_vary = tuple(self.field.varying(jax.typeof(a)) for a in args[first:])
         ctx = _common.rule_context(reg, manual_axes(), len(in_vary), len(out_avals))
