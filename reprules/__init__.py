@@ -36,6 +36,7 @@ from reprules._modes import inference as inference
 from reprules._modes import strict as strict
 from reprules._modes import verify as verify
 from reprules._registry import FfiTarget as FfiTarget
+from reprules._registry import KernelName as KernelName
 from reprules._packs import PackStatus as PackStatus
 from reprules._packs import PackWarning as PackWarning
 from reprules._packs import packs as packs
@@ -61,6 +62,7 @@ __all__ = [
     "CotangentError",
     "FfiTarget",
     "KernelLike",
+    "KernelName",
     "MissingRuleError",
     "PackStatus",
     "PackWarning",
@@ -79,6 +81,7 @@ __all__ = [
     "VaryingSet",
     "ffi_target",
     "inference",
+    "kernel_named",
     "jax_support",
     "packs",
     "registered",
@@ -202,6 +205,30 @@ def ffi_target(name: str) -> FfiTarget:
             "Fix: pass the same string as to jax.ffi.ffi_call / register_ffi_target."
         )
     return FfiTarget(name)
+
+
+def kernel_named(qualified: str) -> KernelName:
+    """A Pallas kernel by where it is defined, to register a rule for every
+    function of that ``"module:qualname"``: nested kernels made anew on each
+    call, which have no object to register. A rule registered on the function
+    object itself wins. ``reprules audit`` reports names no kernel matched.
+
+    Example:
+        ```python
+        # def gmm(...):            # in module pkg.ops
+        #     def kernel(...): ...  # a new function object on every call
+        reprules.replication_rule(rules.same())(reprules.kernel_named("pkg.ops:gmm.<locals>.kernel"))
+        ```
+    """
+    if not isinstance(qualified, str) or qualified.count(":") != 1 or not all(qualified.split(":")):
+        raise RegistrationError(
+            f"kernel_named needs \"module:qualname\", got {qualified!r}.\n"
+            "Why: a kernel is matched by its function's __module__ and __qualname__, "
+            "joined by one colon.\n"
+            "Fix: e.g. reprules.kernel_named(\"pkg.ops:gmm.<locals>.kernel\"); print "
+            "f\"{kernel.__module__}:{kernel.__qualname__}\" of the kernel to see its name."
+        )
+    return KernelName(qualified)
 
 
 def unregister(kernel: KernelLike) -> bool:

@@ -45,13 +45,43 @@ class FfiTarget:
     name: str
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelName:
+    """A Pallas kernel function by where it is defined, ``"module:qualname"``
+    (e.g. ``"pkg.ops:gmm.<locals>.kernel"``), for kernels that have no stable
+    object to register: nested functions made anew on every call.
+
+    Every function whose ``__module__`` and ``__qualname__`` match shares the
+    rule; a rule registered on the function object itself wins.
+    """
+
+    qualified: str
+
+    @property
+    def short_name(self) -> str:
+        return self.qualified.rsplit(".", 1)[-1].rsplit(":", 1)[-1]
+
+
 _lock = threading.RLock()
 _rules: weakref.WeakKeyDictionary[object, Registration] = weakref.WeakKeyDictionary()
-_targets: dict[object, Registration] = {}  # FFI targets, by value: names are not weak-referenceable
+_targets: dict[object, Registration] = {}  # FFI targets and kernel names, by value
+_matched: set[KernelName] = set()  # kernel names that some traced kernel had
+
+
+def _by_value(kernel: object) -> bool:
+    return isinstance(kernel, (FfiTarget, KernelName))
 
 
 def _table(kernel: object) -> MutableMapping[object, Registration]:
-    return _targets if isinstance(kernel, FfiTarget) else _rules
+    return _targets if _by_value(kernel) else _rules
+
+
+def qualified_name(kernel: object) -> str | None:
+    """``"module:qualname"`` of a kernel function (through partials), or None."""
+    while isinstance(kernel, functools.partial):
+        kernel = kernel.func
+    module, qualname = getattr(kernel, "__module__", None), getattr(kernel, "__qualname__", None)
+    return f"{module}:{qualname}" if isinstance(module, str) and isinstance(qualname, str) else None
 
 
 def kernel_name(kernel: object) -> str:
@@ -60,6 +90,8 @@ def kernel_name(kernel: object) -> str:
         kernel = kernel.func
     if isinstance(kernel, FfiTarget):
         return kernel.name
+    if isinstance(kernel, KernelName):
+        return kernel.short_name
     # Primitives have .name; Triton's JITFunction has .__name__ (or .fn).
     for attr in ("__name__", "name"):
         name = getattr(kernel, attr, None)
@@ -71,6 +103,8 @@ def kernel_name(kernel: object) -> str:
 def _where(kernel: object) -> str:
     if isinstance(kernel, FfiTarget):
         return f"ffi_target:{kernel.name}"
+    if isinstance(kernel, KernelName):
+        return f"kernel_named:{kernel.qualified}"
     qualname = getattr(kernel, "__qualname__", None)
     if qualname is None:  # an instance, e.g. a Primitive: name it by its type
         return f"{type(kernel).__name__}:{kernel_name(kernel)}"
@@ -96,7 +130,7 @@ def register(kernel: object, rule: RuleLike, *, override: bool, source: str = "?
         )
     try:
         ref: Callable[[], object | None] = (
-            (lambda: kernel) if isinstance(kernel, FfiTarget) else weakref.ref(kernel)
+            (lambda: kernel) if _by_value(kernel) else weakref.ref(kernel)
         )
     except TypeError:
         raise RegistrationError(
@@ -133,7 +167,8 @@ def unregister(kernel: object) -> bool:
 
 
 def lookup(kernel: object) -> Registration | None:
-    """The rule of ``kernel``, or of the function a chain of partials wraps."""
+    """The rule of ``kernel``, or of the function a chain of partials wraps;
+    else the rule registered for its ``module:qualname`` (identity wins)."""
     with _lock:
         while True:
             try:
@@ -141,8 +176,22 @@ def lookup(kernel: object) -> Registration | None:
             except TypeError:  # not weak-referenceable, so never registered
                 reg = None
             if reg is not None or not isinstance(kernel, functools.partial):
-                return reg
+                break
             kernel = kernel.func
+        if reg is not None or not _targets or _by_value(kernel) or not callable(kernel):
+            return reg
+        qualified = qualified_name(kernel)
+        name = KernelName(qualified) if qualified else None
+        reg = _targets.get(name) if name is not None else None
+        if reg is not None and name is not None:
+            _matched.add(name)
+        return reg
+
+
+def unmatched_names() -> list[Registration]:
+    """Rules registered by ``kernel_named`` that no traced kernel has matched yet."""
+    with _lock:
+        return [reg for key, reg in _targets.items() if isinstance(key, KernelName) and key not in _matched]
 
 
 def registrations() -> list[Registration]:

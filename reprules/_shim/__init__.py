@@ -92,8 +92,10 @@ def classify(target: object) -> str:
     from jax._src import core
 
     from reprules._errors import RegistrationError
-    from reprules._registry import FfiTarget
+    from reprules._registry import FfiTarget, KernelName
 
+    if isinstance(target, KernelName):
+        return "pallas"
     if isinstance(target, FfiTarget):
         if _common.ffi_call_p() is None:
             raise UnsupportedJaxError(

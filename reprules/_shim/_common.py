@@ -343,7 +343,7 @@ def identify(primitive: Any, params: dict[str, Any]) -> Identity:
     """
     import sys
 
-    from reprules._registry import FfiTarget, lookup, registrations
+    from reprules._registry import FfiTarget, KernelName, lookup, registrations
     from reprules._shim import classify, core_map
 
     found = core_map.identify(primitive, params)  # pl.kernel / pl.core_map
@@ -360,7 +360,7 @@ def identify(primitive: Any, params: dict[str, Any]) -> Identity:
             return Identity(lookup(kernel) if kernel is not None else None, site=site_text)
         candidates = tuple(
             reg.where for reg in registrations()
-            if not isinstance(reg.kernel_ref(), FfiTarget) and reg.kernel() is not None
+            if not isinstance(reg.kernel_ref(), (FfiTarget, KernelName)) and reg.kernel() is not None
             and classify(reg.kernel()) == "pallas" and _could_be(reg, name, site)
         )
         return Identity(None, identified=not candidates, candidates=candidates, site=site_text)

@@ -1,0 +1,89 @@
+"""Rules by qualified name (``reprules.kernel_named("module:qualname")``), for
+nested kernels that are new function objects on every call."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import count_all_reduce, make_mesh, max_err, put, randn, shard_map
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+import reprules
+from reprules import rules
+
+NAME = f"{__name__}:nested_scale.<locals>.kernel"
+
+
+def nested_scale(x):
+    def kernel(x_ref, o_ref):  # a new object on every call: only its name is stable
+        o_ref[...] = x_ref[...] * 2.0
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+
+@jax.custom_vjp
+def scale(x):
+    return nested_scale(x)
+
+
+scale.defvjp(lambda x: (nested_scale(x), None), lambda _, g: (nested_scale(g),))
+
+
+def module_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+
+
+def module_scale(x):
+    return pl.pallas_call(module_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+
+@pytest.fixture
+def setup():
+    mesh = make_mesh()
+    return mesh, put(randn(0, (8, 128)), mesh, P("data", None)), randn(1, (8, 128))
+
+
+def test_a_nested_kernel_gets_its_rule_by_name(setup):
+    mesh, x, w = setup
+    reprules.replication_rule(rules.same())(reprules.kernel_named(NAME))
+    f = shard_map(scale, mesh, P("data", None), P("data", None))
+    grad = jax.grad(lambda x: (f(x) * w).sum())
+    assert count_all_reduce(grad, x) == (0, 0, 0)
+    assert max_err(jax.jit(grad)(x), 2.0 * np.asarray(w)) < 1e-6
+    assert f"kernel_named:{NAME}" in reprules.registered()
+
+
+def test_a_rule_on_the_object_wins_over_a_name(setup):
+    mesh, x, _ = setup
+    reprules.replication_rule(rules.varying("model"))(reprules.kernel_named(f"{__name__}:module_kernel"))
+    f = jax.jit(shard_map(module_scale, mesh, P("data", None), P("data", None)))
+    with pytest.raises(ValueError, match="out_specs"):  # the name's rule: varies over model too
+        f(x)
+    reprules.replication_rule(rules.same())(module_kernel)  # the object's rule wins
+    assert max_err(f(x), 2.0 * np.asarray(x)) < 1e-6
+
+
+def test_unregistering_a_name_removes_its_rule(setup):
+    mesh, x, _ = setup
+    target = reprules.kernel_named(NAME)
+    reprules.replication_rule()(target)
+    f = shard_map(nested_scale, mesh, P("data", None), P("data", None))
+    jax.jit(f)(x)
+    reprules.replication_rule()(module_kernel)  # keeps reprules active
+    assert reprules.unregister(target)
+    with pytest.raises(reprules.MissingRuleError, match="'kernel'"):
+        jax.jit(f)(x)
+
+
+@pytest.mark.parametrize("bad", ["kernel", "a:b:c", ":kernel", "mod:", 3])
+def test_a_malformed_name_is_refused(bad):
+    with pytest.raises(reprules.RegistrationError, match=r"(?s)kernel_named needs \"module:qualname\".*Why:.*Fix:"):
+        reprules.kernel_named(bad)
+
+
+def test_a_name_no_kernel_matched_is_reported():
+    from reprules import _registry
+
+    reprules.replication_rule()(reprules.kernel_named("nowhere:typo.<locals>.kernel"))
+    assert [r.where for r in _registry.unmatched_names()] == ["kernel_named:nowhere:typo.<locals>.kernel"]
