@@ -373,7 +373,7 @@ def _call_body(eqn: Any) -> Any:
     """The body jaxpr of a call-like equation, if its inputs and outputs match the equation's."""
     key = _CALL_BODIES.get(eqn.primitive.name)
     value = eqn.params.get(key) if key else None
-    body = getattr(value, "jaxpr", value)
+    body: Any = getattr(value, "jaxpr", value)
     if (not hasattr(body, "eqns") or len(body.invars) != len(eqn.invars)
             or len(body.outvars) != len(eqn.outvars)):
         return None

@@ -624,9 +624,9 @@ def registration(params: dict[str, Any]) -> Registration | Refusal:
     key = (params.get("input_output_aliases"), id(params.get("grid_mapping")))
     with _cache_lock:
         try:
-            for known_key, grid_mapping, result in _registrations.get(jaxpr, ()):
+            for known_key, grid_mapping, known in _registrations.get(jaxpr, ()):
                 if known_key == key and grid_mapping is params.get("grid_mapping"):
-                    return result
+                    return known
         except TypeError:  # not weak-referenceable
             pass
     derived = for_pallas_call(params)

@@ -93,6 +93,16 @@ def register_primitive_and_ffi_target() -> reprules.FfiTarget:
     return target
 
 
+def register_by_name_and_inference() -> reprules.KernelName:
+    """A nested kernel by its qualified name; every other kernel by inference."""
+    named = reprules.replication_rule(rules.same())(reprules.kernel_named("pkg.ops:gmm.<locals>.kernel"))
+    if TYPE_CHECKING:
+        assert_type(named, reprules.KernelName)
+    with reprules.inference():
+        pass
+    return named
+
+
 def register_triton_kernel(my_triton_kernel: reprules.TritonKernel) -> reprules.TritonKernel:
     """``jax_triton.triton_call(..., kernel=my_triton_kernel)``: a ``triton.JITFunction``."""
     return reprules.replication_rule()(my_triton_kernel)
@@ -168,6 +178,7 @@ def step_and_checks() -> None:
 def main() -> None:
     register_layer_norm()
     target = register_primitive_and_ffi_target()
+    reprules.unregister(register_by_name_and_inference())
     registry_calls()
     step_and_checks()
     reprules.unregister(target)
