@@ -347,3 +347,14 @@ def test_megablox_gmm_forward_and_gradients_equal_the_reference(mesh):
     expected_rhs = np.stack([ln[group == g].T @ tn[group == g] for g in (0, 1)])
     assert max_err(grhs, expected_rhs) / np.abs(expected_rhs).max() < 1e-5
     assert psums == [("data",)]  # the weight gradient's psum; nothing over 'model'
+
+
+def test_reports_show_inferred_rules(mesh):
+    from reprules import testing
+
+    x = put(randn(0, (8, 16)), mesh, P("data", None))
+    f = shard_map(fresh_copy, mesh, P("data", None), P("data", None))
+    with reprules.inference():
+        report = testing.collectives(jax.jit(f), x)
+    (kernel,) = [k for k in report.kernels if k.name == "kernel"]
+    assert kernel.has_rule and kernel.rule.startswith("inferred(") and kernel.status().startswith("rule inferred")

@@ -357,7 +357,11 @@ def identify(primitive: Any, params: dict[str, Any]) -> Identity:
         site_text = f"{site[0]}:{site[1]}" if site else ""
         if kernel_ref is not None:
             kernel = kernel_ref()  # a dead kernel has no rule any more
-            return Identity(lookup(kernel) if kernel is not None else None, site=site_text)
+            reg = lookup(kernel) if kernel is not None else None
+            return Identity(reg if reg is not None else inferred_registration(params), site=site_text)
+        inferred = inferred_registration(params)  # derived from the body: no kernel object needed
+        if inferred is not None:
+            return Identity(inferred, site=site_text)
         candidates = tuple(
             reg.where for reg in registrations()
             if not isinstance(reg.kernel_ref(), (FfiTarget, KernelName)) and reg.kernel() is not None
