@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import reprules  # noqa: E402
 from reprules import rules  # noqa: E402
-from reprules import _cpu_kernels as cpu_kernels  # noqa: E402  (reprules' own C++ FFI kernels)
+from reprules.testing import cpu_kernels  # noqa: E402  (opaque C++ FFI kernels for CPU)
 
 # --- 1. user primitives ------------------------------------------------------------------
 

@@ -2,17 +2,18 @@
 
 With no target, audits the bundled workloads on 8 fake CPU devices, side by
 side with checking off vs with reprules. With ``module:callable``, audits the
-user's step (protocol in :mod:`reprules._workloads`). Progress goes to
-stderr, results to stdout (``--json`` for machines); ``--strict`` exits 1
-when a defensive collective or an opaque kernel without a rule is found.
-
-Exit codes: 0 clean, 1 findings under ``--strict`` or a workload failed,
-2 usage error.
+user's step, also side by side when the callable takes ``check`` (protocol in
+:mod:`reprules._audit_target`). Progress goes to stderr, results to stdout
+(``--json`` for machines, :data:`SCHEMA_VERSION`); ``--strict`` exits 1 when
+a defensive collective or an opaque kernel without a rule is found on the
+reprules side. Errors are one paragraph (what, why, fix) without a traceback;
+the exit codes are :data:`EXIT_CODES`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
@@ -20,78 +21,144 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from reprules import _audit_text
+
 DEFAULT_DEVICES = 8
+SCHEMA_VERSION = 1
+"""Version of the ``--json`` document's layout; raised whenever a field changes meaning or goes away."""
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
+EXIT_CODES = {
+    EXIT_OK: "the audit ran (with --strict: and found nothing)",
+    EXIT_FINDINGS: "--strict found a defensive collective or a kernel without a rule; or a step "
+                   "failed to trace, compile or run; or an internal error",
+    EXIT_USAGE: "usage error: bad arguments, or a TARGET that cannot be loaded",
+    EXIT_ENVIRONMENT: "environment: unsupported JAX version, or JAX already started with too few devices",
+}
+_EXIT_HELP = "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES.items())
+
+
+class _Failure(Exception):
+    """Ends the command with a one-paragraph message and an exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def version_text() -> str:
+    """``reprules 0.1.0 (JAX 0.12.0.1, jaxlib 0.12.0.1, Python 3.12.1)``; imports no JAX."""
+    py = ".".join(map(str, sys.version_info[:3]))
+    return (f"reprules {_dist_version('reprules')} (JAX {_dist_version('jax')}, "
+            f"jaxlib {_dist_version('jaxlib')}, Python {py})")
 
 
 def _parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog="reprules", description="Replication rules for Pallas kernels inside jax.shard_map.")
+        prog="reprules", description="Replication rules for Pallas kernels inside jax.shard_map.",
+        epilog=_EXIT_HELP, formatter_class=raw)
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the reprules, JAX and jaxlib versions and exit")
     sub = parser.add_subparsers(dest="command")
     audit = sub.add_parser(
         "audit", help="report the collectives of training steps: defensive vs needed",
-        description="Audit the collectives of training steps. With no TARGET, audits the bundled "
-        "workloads (JAX #21855, a tensor-parallel MLP with a Pallas matmul, JAX's Pallas layer_norm), "
-        "checking off vs reprules.",
-        epilog="TARGET protocol: `module:callable`; the callable takes no arguments and returns "
-        "(step, args), (step, args, kwargs), or a mapping with 'step', 'args' and optional "
-        "'kwargs', 'name', 'reference' (a zero-argument callable giving the expected output).")
+        formatter_class=raw,
+        description="Audit the collectives of training steps. With no TARGET, audits the bundled\n"
+        "workloads (JAX #21855, a tensor-parallel MLP with a Pallas matmul, JAX's Pallas\n"
+        "layer_norm), checking off vs reprules.",
+        epilog="TARGET: `module:callable`. The callable returns (step, args), (step, args, kwargs),\n"
+        "or a mapping with 'step', 'args' and optional 'kwargs', 'name', 'reference' (a\n"
+        "zero-argument callable giving the expected output). If it takes a `check` argument,\n"
+        "it is called with check=False (shard_map checking off) and check=True (checking on,\n"
+        "rules registered) and the two steps are compared; otherwise its step is audited as\n"
+        "given.\n\n" + _EXIT_HELP)
     audit.add_argument("target", nargs="?", help="module:callable returning (step, args)")
-    audit.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    audit.add_argument("--json", action="store_true",
+                       help=f"print one JSON document on stdout (schema_version {SCHEMA_VERSION})")
     audit.add_argument("--strict", action="store_true",
                        help="exit 1 on defensive collectives or kernels without a rule")
     audit.add_argument("--devices", type=int, default=DEFAULT_DEVICES,
                        help=f"fake CPU devices to provide (default {DEFAULT_DEVICES})")
     audit.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    audit.add_argument("--traceback", action="store_true",
+                       help="on an unexpected error, show Python's traceback (for bug reports)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``reprules`` console script."""
+    """Entry point of the ``reprules`` console script; returns the exit code."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # argparse itself exits 2 on bad arguments, 0 after --version
     if args.command != "audit":
         parser.print_help(sys.stderr)
-        return 2
+        return EXIT_USAGE
+    from reprules._errors import UnsupportedJaxError
+
     progress = _Progress(sys.stderr, enabled=not args.quiet)
     try:
         _provide_devices(args.devices, default_run=args.target is None)
-    except _UsageError as err:
+        if args.target is None:
+            return _audit_default(args, progress)
+        return _audit_target(args, progress)
+    except _Failure as err:
+        progress.end_line()
         print(f"reprules audit: error: {err}", file=sys.stderr)
-        return 2
-    if args.target is None:
-        return _audit_default(args, progress)
-    return _audit_target(args, progress)
-
-
-class _UsageError(Exception):
-    pass
+        return err.code
+    except UnsupportedJaxError as err:
+        progress.end_line()
+        print(f"reprules audit: error: {err}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    except Exception as err:
+        if args.traceback:
+            raise
+        progress.end_line()
+        print(f"reprules audit: internal error: {type(err).__name__}: {err}\n"
+              "Why: this is a bug in reprules, or an environment it does not expect.\n"
+              "Fix: rerun with --traceback and report the output.", file=sys.stderr)
+        return EXIT_FINDINGS
 
 
 def _provide_devices(n: int, *, default_run: bool) -> None:
     """Sets XLA_FLAGS for ``n`` CPU devices, or checks a started backend has them."""
     if n < 1:
-        raise _UsageError(f"--devices must be at least 1, got {n}.")
+        raise _Failure(f"--devices must be at least 1, got {n}.\nWhy: JAX needs at least one device.\n"
+                       "Fix: pass e.g. --devices 8.", EXIT_USAGE)
     from reprules import _environment
 
     if _environment.backend_started():
         import jax
 
         if default_run and jax.device_count() < n:
-            raise _UsageError(
+            raise _Failure(
                 f"JAX already started with {jax.device_count()} devices; the audit needs {n}.\n"
                 "Why: the number of fake CPU devices is fixed when JAX's backend starts.\n"
-                "Fix: run `reprules audit` in a fresh process (python -m reprules audit).")
+                "Fix: run `reprules audit` in a fresh process (python -m reprules audit).",
+                EXIT_ENVIRONMENT)
         return
     _environment.request_cpu_devices(n, cpu_only=default_run)
 
 
 class _Progress:
     def __init__(self, stream: TextIO, enabled: bool):
-        self.stream, self.enabled = stream, enabled
+        self.stream, self.enabled, self.open = stream, enabled, False
 
     def __call__(self, text: str, end: str = "\n") -> None:
         if self.enabled:
             print(text, end=end, file=self.stream, flush=True)
+            self.open = end != "\n"
+
+    def end_line(self) -> None:
+        """Ends a progress line left open, so an error starts on its own line."""
+        if self.open:
+            self("")
 
 
 # --- one audit -------------------------------------------------------------------------
@@ -123,6 +190,8 @@ def _variant(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], reference
 def _summary(v: dict[str, Any]) -> dict[str, Any]:
     report = v["report"]
     return {
+        "function": report.function,
+        "mesh": dict(report.mesh),
         "collectives": [c.to_dict() for c in report.collectives],
         "kernels": [k.to_dict() for k in report.kernels],
         "count": len(report.collectives),
@@ -133,6 +202,58 @@ def _summary(v: dict[str, Any]) -> dict[str, Any]:
         "kernels_total": len(report.kernels),
         "max_error": v["max_error"],
     }
+
+
+def _no_rule_text(kernel: Any) -> str:
+    return "has no rule" if kernel.identified else f"was not identified ({kernel.status()})"
+
+
+def _strict_findings(entries: list[dict[str, Any]]) -> list[str]:
+    """Defensive collectives and rule-less kernels on the reprules side (or the one given step)."""
+    found = []
+    for e in entries:
+        v = e.get("on") or e.get("given")
+        if v is not None:
+            rep = v["report"]
+            found += [f"{e['name']}: {c.describe()}" for c in rep.defensive]
+            found += [f"{e['name']}: kernel {k.name} {_no_rule_text(k)}" for k in rep.kernels_without_rule]
+    return found
+
+
+def _document(support: dict[str, str], devices: int, target: str | None, mesh: dict[str, int] | None,
+              entries: list[dict[str, Any]], findings: list[str]) -> dict[str, Any]:
+    """The ``--json`` document (layout :data:`SCHEMA_VERSION`)."""
+    import reprules
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "reprules": reprules.__version__, "jax": support["jax"], "regime": support["regime"],
+        "devices": devices, "target": target, "mesh": mesh,
+        "workloads": [
+            {"name": e["name"], "title": e["title"], "error": e.get("error"),
+             **{k: _summary(e[k]) for k in ("off", "on", "given") if k in e}}
+            for e in entries],
+        "strict_findings": findings,
+    }
+
+
+def _finish(args: argparse.Namespace, text: str, doc: dict[str, Any], failed: bool,
+            findings: list[str]) -> int:
+    print(json.dumps(doc, indent=2) if args.json else text)
+    if failed:
+        return EXIT_FINDINGS
+    if args.strict and findings:
+        print(f"reprules audit --strict: {len(findings)} finding{'s' if len(findings) > 1 else ''}:",
+              file=sys.stderr)
+        for f in findings:
+            print(f"  {_audit_text.clip(f, _audit_text.WIDTH - 2)}", file=sys.stderr)
+        return EXIT_FINDINGS
+    return EXIT_OK
+
+
+def _header(support: dict[str, str], devices: int, what: str) -> list[str]:
+    return [f"reprules audit of {what}: JAX {support['jax']} ({support['regime']} regime), {devices} devices",
+            "collectives per training step, bytes per device (full detail: --json)"]
 
 
 def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
@@ -171,158 +292,86 @@ def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
                 for k in ours:
                     reprules.unregister(k)
             progress(f"done ({time.perf_counter() - start:.1f} s)")
+        except reprules.UnsupportedJaxError:
+            raise
         except Exception as err:  # one broken workload must not hide the others
             failed = True
             entry["error"] = f"{type(err).__name__}: {err}"
             progress(f"FAILED ({type(err).__name__})")
         results.append(entry)
 
-    strict_findings = []
-    for e in results:
-        on = e.get("on")
-        if on is not None:
-            rep = on["report"]
-            strict_findings += [f"{e['name']}: {c.describe()}" for c in rep.defensive]
-            strict_findings += [f"{e['name']}: kernel {k.name} {_no_rule_text(k)}" for k in rep.kernels_without_rule]
-
-    if args.json:
-        doc = {
-            "reprules": reprules.__version__, "jax": support["jax"], "regime": support["regime"],
-            "devices": jax.device_count(), "mesh": dict(zip(_workloads.MESH_AXES, _workloads.MESH_SHAPE)),
-            "workloads": [
-                {"name": e["name"], "title": e["title"], "error": e.get("error"),
-                 **{k: _summary(e[k]) for k in ("off", "on") if k in e}}
-                for e in results],
-            "strict_findings": strict_findings,
-        }
-        print(json.dumps(doc, indent=2))
-    else:
-        print(_render_default(results, support, jax.device_count()))
-    if failed:
-        return 1
-    if args.strict and strict_findings:
-        print("reprules audit --strict: " + "; ".join(strict_findings), file=sys.stderr)
-        return 1
-    return 0
-
-
-def _no_rule_text(kernel: Any) -> str:
-    return "has no rule" if kernel.identified else f"was not identified ({kernel.status()})"
-
-
-def _fmt_collectives(report: Any, defensive: bool) -> str:
-    found = report.select(defensive=defensive)
-    if not found:
-        return "0"
-    by: dict[tuple[str, str], list[int]] = {}
-    for c in found:
-        by.setdefault((c.kind, c.axes_text()), []).append(c.bytes)
-    return ", ".join(f"{len(b)} {k} over {a} ({sum(b)} B)" for (k, a), b in by.items())
-
-
-def _fmt_kernels(report: Any) -> str:
-    if not report.kernels:
-        return "none"
-    have = sum(1 for k in report.kernels if k.has_rule)
-    missing = [k.name for k in report.kernels if not k.has_rule]
-    return f"{have}/{len(report.kernels)}" + (f" (no rule: {', '.join(missing)})" if missing else "")
-
-
-def _fmt_error(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2e}"
-
-
-def _render_default(results: list[dict[str, Any]], support: dict[str, str], devices: int) -> str:
-    lines = [f"reprules audit: JAX {support['jax']} ({support['regime']} regime), {devices} devices, "
-             "collectives per training step (per-device bytes)"]
-    for e in results:
-        lines.append("")
-        lines.append(f"== {e['name']}: {e['title']}")
-        if "error" in e:
-            lines.append(f"   FAILED: {e['error'][:500]}")
-            continue
-        off, on = e["off"], e["on"]
-        ro, rn = off["report"], on["report"]
-        rows = [
-            ("", "checking off", "reprules (checking on)"),
-            ("collectives", f"{len(ro.collectives)} ({ro.bytes()} B)", f"{len(rn.collectives)} ({rn.bytes()} B)"),
-            ("  defensive", _fmt_collectives(ro, True), _fmt_collectives(rn, True)),
-            ("  needed", _fmt_collectives(ro, False), _fmt_collectives(rn, False)),
-            ("kernels with rules", _fmt_kernels(ro), _fmt_kernels(rn)),
-            ("grad max error", _fmt_error(off["max_error"]), _fmt_error(on["max_error"])),
-        ]
-        w0 = max(len(r[0]) for r in rows)
-        w1 = max(len(r[1]) for r in rows)
-        lines += ["   " + f"{a.ljust(w0)}  {b.ljust(w1)}  {c}".rstrip() for a, b, c in rows]
-        for label, rep in (("off", ro), ("reprules", rn)):
-            for c in rep.collectives:
-                lines.append(f"   [{label}] {c.describe()}")
-    return "\n".join(lines)
+    findings = _strict_findings(results)
+    devices = jax.device_count()
+    doc = _document(support, devices, None, dict(zip(_workloads.MESH_AXES, _workloads.MESH_SHAPE)),
+                    results, findings)
+    text = "" if args.json else _audit_text.render(_header(support, devices, "the bundled workloads"),
+                                                   results)
+    return _finish(args, text, doc, failed, findings)
 
 
 def _audit_target(args: argparse.Namespace, progress: _Progress) -> int:
     import jax
 
     import reprules
-    from reprules import _workloads
+    from reprules import _audit_target as protocol
 
+    support = reprules.jax_support()
     sys.path.insert(0, os.getcwd())
     progress(f"reprules {reprules.__version__} audit of {args.target}: JAX {jax.__version__}, "
              f"{jax.device_count()} devices")
+    progress("loading target ... ", end="")
     try:
-        progress("loading target ... ", end="")
-        target = _workloads.load_target(args.target)
-    except _workloads.TargetError as err:
-        progress("")
-        print(f"reprules audit: error: {err}", file=sys.stderr)
-        return 2
-    progress("compiling ... ", end="")
-    start = time.perf_counter()
-    try:
-        reference = target.reference() if target.reference is not None else None
-        result = _variant(target.step, target.args, dict(target.kwargs), reference)
-    except reprules.MissingRuleError as err:
-        progress("failed")
-        print(f"reprules audit: {args.target}: {err}", file=sys.stderr)
-        return 1
-    progress(f"done ({time.perf_counter() - start:.1f} s)")
-    report = result["report"]
-    findings = [c for c in report.defensive]
-    missing = report.kernels_without_rule
-    if args.json:
-        doc = {"target": args.target, "name": target.name, "jax": jax.__version__,
-               "report": report.to_dict(), "max_error": result["max_error"],
-               "strict_findings": [c.describe() for c in findings]
-               + [f"kernel {k.name} {_no_rule_text(k)}" for k in missing]}
-        print(json.dumps(doc, indent=2))
-    else:
-        print(_render_target(target.name, report, result["max_error"]))
-    if args.strict and (findings or missing):
-        unknown = sum(1 for k in missing if not k.identified)
-        print(f"reprules audit --strict: {len(findings)} defensive collectives, "
-              f"{len(missing)} kernels without a rule" + (f" ({unknown} not identified)" if unknown else ""),
+        factory = protocol.resolve(args.target)
+    except protocol.TargetError as err:
+        raise _Failure(str(err), EXIT_USAGE) from None
+    variants: list[tuple[str, bool | None]] = [("off", False), ("on", True)] if factory.takes_check \
+        else [("given", None)]
+    entry: dict[str, Any] = {"name": factory.name, "title": args.target}
+    failed = False
+    for i, (key, check) in enumerate(variants):
+        progress(("; " if i else "") + f"{_audit_text.LABELS[key]} ... ", end="")
+        start = time.perf_counter()
+        try:
+            target = protocol.build(factory, check)
+        except protocol.TargetError as err:
+            raise _Failure(str(err), EXIT_USAGE) from None
+        except reprules.UnsupportedJaxError:
+            raise
+        except Exception as err:
+            raise _Failure(f"{args.target}{'' if check is None else f'(check={check})'} raised "
+                           f"{type(err).__name__}: {err}\n"
+                           "Why: the audit calls it to build the step.\n"
+                           "Fix: make it return the step without raising (try it in Python).",
+                           EXIT_FINDINGS) from None
+        entry["name"] = target.name
+        try:
+            reference = target.reference() if target.reference is not None else None
+            entry[key] = _variant(target.step, target.args, dict(target.kwargs), reference)
+            progress(f"done ({time.perf_counter() - start:.1f} s)", end="")
+        except reprules.UnsupportedJaxError:
+            raise
+        except Exception as err:
+            failed = True
+            entry["error"] = f"{_audit_text.LABELS[key]}: {type(err).__name__}: {err}"
+            progress(f"FAILED ({type(err).__name__})", end="")
+            break
+    progress("")
+
+    findings = _strict_findings([entry])
+    devices = jax.device_count()
+    doc = _document(support, devices, args.target, None, [entry], findings)
+    text = ""
+    if not args.json:
+        notes = []
+        if not factory.takes_check:
+            notes.append(f"note: {args.target} takes no `check` argument, so its step was audited as "
+                         "given. To compare checking off with reprules, let it take one "
+                         f"(`def {factory.name.rsplit('.', 1)[-1]}(check=True)`) and pass it to "
+                         "shard_map (check_vma, or check_rep on JAX <= 0.5).")
+        last = entry.get("on") or entry.get("given") or entry.get("off")  # "off" when "on" failed
+        text = _audit_text.render(_header(support, devices, args.target), [entry], notes,
+                                  fixes=last["report"] if last else None)
+    if failed:  # the report (text or JSON) has the whole message
+        print(f"reprules audit: error: {args.target}: the step failed, {entry['error'].split(chr(10))[0]}",
               file=sys.stderr)
-        return 1
-    return 0
-
-
-def _render_target(name: str, report: Any, error: float | None) -> str:
-    lines = [report.table(), ""]
-    if report.kernels:
-        lines.append("opaque kernels under shard_map:")
-        for k in report.kernels:
-            lines.append(f"  {k.name} ({k.primitive} x{k.count}) at {k.source or '?'}: {k.status()}")
-    else:
-        lines.append("opaque kernels under shard_map: none")
-    d = report.defensive
-    lines.append(f"defensive collectives: {len(d)} ({sum(c.bytes for c in d)} B per step)")
-    for c in d:
-        lines.append(f"  {c.describe()}")
-    missing = report.kernels_without_rule
-    if missing:
-        lines.append("to remove them, give each kernel a rule and turn shard_map checking on:")
-        for k in missing:
-            lines.append(f"  {k.source or '?'}: @reprules.replication_rule()   # above `def {k.name}(...)`")
-    if error is not None:
-        lines.append(f"max error against the reference: {error:.2e}")
-    return "\n".join(lines)
+    return _finish(args, text, doc, failed, findings)

@@ -1,15 +1,70 @@
-"""Runs a rule for one call and checks its answer, whatever the JAX regime."""
+"""Runs a rule for one call and checks its answer, whatever the JAX regime.
+
+The built-in rules (``rules.same()``, ``like(i)``, ``varying(...)``,
+``invariant(...)``) are frozen dataclasses whose answer depends only on the
+input varying sets, the manual mesh axes and the input and output counts, so
+their validated decisions are cached by exactly that key (a bounded LRU; it
+holds no kernel, so it keeps nothing alive). A rule that raises is asked again
+at every call. A user's rule is called at every call: nothing says it is pure.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+import collections
+import threading
+from collections.abc import Hashable, Sequence, Set
 
-from reprules._errors import RuleError, fmt_axes
+from reprules import rules
+
+from reprules._errors import RuleError, did_you_mean, fmt_axes
 from reprules._registry import Registration
 from reprules.rules import Decision, RuleContext, VaryingSet
 
 
+CACHE_SIZE = 1024
+_PURE_RULES: tuple[type, ...] = (rules.same, rules.like, rules.varying, rules.invariant)
+_cache: collections.OrderedDict[Hashable, Decision] = collections.OrderedDict()
+_cache_lock = threading.Lock()
+_stats = {"hits": 0, "misses": 0}
+
+
+def cache_info() -> dict[str, int]:
+    """``{"size", "maxsize", "hits", "misses"}`` of the decision cache (for tests and benchmarks)."""
+    with _cache_lock:
+        return {"size": len(_cache), "maxsize": CACHE_SIZE, **_stats}
+
+
+def cache_clear() -> None:
+    with _cache_lock:
+        _cache.clear()
+        _stats.update(hits=0, misses=0)
+
+
 def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ...]) -> Decision:
+    """Calls ``reg.rule`` and validates the answer against ``ctx`` (cached for built-in rules)."""
+    rule = reg.rule
+    if type(rule) not in _PURE_RULES:
+        return _decide(reg, ctx, in_varying)
+    key = (rule, tuple(in_varying), tuple(ctx.mesh_axes), ctx.num_inputs, ctx.num_outputs)
+    try:
+        with _cache_lock:
+            found = _cache.get(key)
+            if found is not None:
+                _cache.move_to_end(key)
+                _stats["hits"] += 1
+                return found
+    except TypeError:  # an unhashable varying set: not from reprules' shims, do not cache
+        return _decide(reg, ctx, in_varying)
+    decision = _decide(reg, ctx, in_varying)  # raises (and caches nothing) for a bad call
+    with _cache_lock:
+        _stats["misses"] += 1
+        _cache[key] = decision
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return decision
+
+
+def _decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ...]) -> Decision:
     """Calls ``reg.rule`` and validates the answer against ``ctx``."""
     where = (
         f"kernel {ctx.kernel_name!r} (rule {reg.rule!r}, mesh axes {fmt_axes(ctx.mesh_axes)}, "
@@ -74,7 +129,8 @@ def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ..
                 f"The replication rule of {where} names axes {sorted(unknown)} that are not "
                 "manual axes of the enclosing shard_map.\n"
                 "Why: a value can only vary over the manual axes of the shard_map it lives in.\n"
-                "Fix: name only axes of the shard_map's mesh in the rule."
+                "Fix: name only axes of the shard_map's mesh in the rule"
+                + did_you_mean(sorted(unknown), ctx.mesh_axes)
             )
     return Decision(outputs=outputs, inputs=inputs)
 

@@ -144,8 +144,12 @@ def discover() -> None:
         except Exception as err:  # broken metadata must not break `import reprules`
             warnings.warn(f"reprules could not read its rule packs: {err}", PackWarning, stacklevel=3)
             found = ()
+        names: dict[int, str] = {}  # Distribution.name parses METADATA: once per distribution
         for ep in found:
-            dist = getattr(getattr(ep, "dist", None), "name", None) or "?"
+            d = getattr(ep, "dist", None)
+            if id(d) not in names:
+                names[id(d)] = getattr(d, "name", None) or "?"
+            dist = names[id(d)]
             _entry_points[ep.name] = ep
             _status[ep.name] = PackStatus(name=ep.value, module=ep.name, distribution=dist, state="waiting")
         _finder = _PostImportFinder()

@@ -1,6 +1,7 @@
 """The reprules pytest plugin (registered through the ``pytest11`` entry point).
 
-* ``--reprules-cpu-devices N``: N fake CPU devices, set before JAX starts.
+* ``--reprules-cpu-devices N``, or the ini setting ``reprules_cpu_devices = N``
+  (the option wins): N fake CPU devices, set before JAX starts.
 * ``@pytest.mark.reprules_devices(n)``: skip unless at least n devices exist.
 * fixtures ``no_all_reduce`` and ``collectives``.
 * a report-header line: reprules and JAX versions, device count.
@@ -18,12 +19,18 @@ from typing import Any
 
 import pytest
 
+INI = "reprules_cpu_devices"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("reprules", "reprules: replication rules for shard_map")
     group.addoption(
         "--reprules-cpu-devices", dest="reprules_cpu_devices", type=int, default=None, metavar="N",
-        help="provide N fake CPU devices (sets XLA_FLAGS before JAX starts)")
+        help="provide N fake CPU devices (sets XLA_FLAGS before JAX starts); overrides the "
+        f"{INI} ini setting")
+    parser.addini(
+        INI, "fake CPU devices to provide, as --reprules-cpu-devices N does (the option wins)",
+        default="")
 
 
 def _version(dist: str) -> str:
@@ -35,14 +42,35 @@ def _version(dist: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
-    n = getattr(early_config.known_args_namespace, "reprules_cpu_devices", None)
+    n, source = _requested_devices(early_config)
     if n is not None:
-        _provide_devices(n)
+        _provide_devices(n, source)
 
 
-def _provide_devices(n: int) -> None:
+def _requested_devices(config: pytest.Config) -> tuple[int | None, str]:
+    """The device count asked for, and where: the command-line option, else the ini setting."""
+    n = getattr(config.known_args_namespace, "reprules_cpu_devices", None)
+    if n is not None:
+        return n, f"--reprules-cpu-devices {n}"
+    raw = str(config.getini(INI) or "").strip()
+    if not raw:
+        return None, ""
+    source = f"{INI} = {raw}"
+    try:
+        return int(raw), source
+    except ValueError:
+        raise pytest.UsageError(
+            f"{source} (in {config.inipath or 'the pytest configuration'}) is not a whole number.\n"
+            "Why: it is the number of fake CPU devices JAX starts with.\n"
+            f"Fix: write e.g. `{INI} = 8` under [pytest] (pytest.ini) or "
+            "[tool.pytest.ini_options] (pyproject.toml).") from None
+
+
+def _provide_devices(n: int, source: str) -> None:
     if n < 1:
-        raise pytest.UsageError(f"--reprules-cpu-devices must be at least 1, got {n}.")
+        raise pytest.UsageError(
+            f"{source}: the number of fake CPU devices must be at least 1, got {n}.\n"
+            "Why: JAX needs at least one device.\nFix: ask for 1 or more devices, e.g. 8.")
     from reprules import _environment
 
     if _environment.backend_started():
@@ -51,7 +79,7 @@ def _provide_devices(n: int) -> None:
         have = jax.device_count()
         if have != n:
             raise pytest.UsageError(
-                f"--reprules-cpu-devices {n}: a JAX backend already started with {have} devices.\n"
+                f"{source}: a JAX backend already started with {have} devices.\n"
                 "Why: the number of fake CPU devices is fixed when JAX's backend starts, and "
                 "something (a plugin or an imported module) started it before reprules could "
                 "set XLA_FLAGS.\n"
@@ -65,12 +93,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "reprules_devices(n): the test needs at least n JAX devices; skipped when fewer exist "
-        "(provide fake CPU devices with --reprules-cpu-devices n)")
+        f"(provide fake CPU devices with --reprules-cpu-devices n or the {INI} ini setting)")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
     text = f"reprules {_version('reprules')}; JAX {_version('jax')}"
-    n = config.getoption("reprules_cpu_devices", None)
+    n, _ = _requested_devices(config)
     if "jax" in sys.modules or n is not None:
         import jax
 
@@ -93,7 +121,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     need, have = marker.args[0], jax.device_count()
     if have < need:
         pytest.skip(f"needs {need} JAX devices, found {have}; run pytest with "
-                    f"--reprules-cpu-devices {need} to provide fake CPU devices")
+                    f"--reprules-cpu-devices {need} (or set {INI} = {need}) to provide fake CPU devices")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -130,9 +158,13 @@ def no_all_reduce() -> Callable[..., Any]:
     from reprules import testing
 
     def check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
         try:
             return testing.assert_no_all_reduce(fn, *args, **kwargs)
         except testing.CollectivesAssertionError as err:
-            pytest.fail(str(err), pytrace=False)
+            message = str(err)
+        # Outside the except block: pytest prints the message once, with no
+        # "During handling of the above exception" chain.
+        pytest.fail(message, pytrace=False)
 
     return check

@@ -99,14 +99,15 @@ def _union(sets: Sequence[VaryingSet]) -> VaryingSet:
 def _check_axes(rule: object, axes: tuple[str, ...], ctx: RuleContext) -> None:
     unknown = [a for a in axes if a not in ctx.mesh_axes]
     if unknown:
-        from reprules._errors import RuleError, fmt_axes
+        from reprules._errors import RuleError, did_you_mean, fmt_axes
 
         raise RuleError(
             f"Rule {rule} of kernel {ctx.kernel_name!r} names mesh axes {unknown} that are "
             f"not manual axes of the enclosing shard_map (axes {fmt_axes(ctx.mesh_axes)}, "
             f"JAX {ctx.jax_version}).\n"
             "Why: a value can only vary over the manual axes of the shard_map it lives in.\n"
-            "Fix: name only axes of the shard_map's mesh in the rule."
+            "Fix: name only axes of the shard_map's mesh in the rule"
+            + did_you_mean([a for a in unknown if isinstance(a, str)], ctx.mesh_axes)
         )
 
 

@@ -8,6 +8,10 @@ of a constant cotangent away, while the jaxpr and StableHLO still have it.
 
 Two helpers set up what such tests and scripts need on every supported JAX:
 ``fake_cpu_devices(n)`` (before JAX starts) and ``shard_map(..., check=True)``.
+``cpu_kernels`` holds opaque C++ FFI kernels for CPU (``copy``, ``mul``,
+``mul_rowsum``; compiled on first use, cached under ``$REPRULES_CACHE``, else
+``$XDG_CACHE_HOME/reprules``, else ``~/.cache/reprules``): XLA cannot see
+through them, so the defensive all-reduces around them are never folded away.
 
 Example:
     ```python
@@ -25,14 +29,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
+from reprules import _cpu_kernels as cpu_kernels
 from reprules import _environment
-
-from reprules._collectives import LEVELS as LEVELS
-from reprules._collectives import Collective as Collective
-from reprules._collectives import Kernel as Kernel
-from reprules._collectives import Report as Report
 from reprules._errors import ReprulesError
 from reprules._hlo import KINDS as KINDS
+from reprules._report import LEVELS as LEVELS
+from reprules._report import Collective as Collective
+from reprules._report import Kernel as Kernel
+from reprules._report import Report as Report
 
 __all__ = [
     "KINDS",
@@ -44,6 +48,7 @@ __all__ = [
     "assert_collectives",
     "assert_no_all_reduce",
     "collectives",
+    "cpu_kernels",
     "fake_cpu_devices",
     "shard_map",
 ]

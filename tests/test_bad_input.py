@@ -107,9 +107,17 @@ def _raising(ctx, in_varying):
 BAD_RULES = {
     "axis_not_in_mesh": (rules.varying("modle"),
                          r"names mesh axes \['modle'\] that are not manual axes of the enclosing shard_map "
-                         r"\(axes \{'data', 'model'\}.*Fix: name only axes of the shard_map's mesh"),
+                         r"\(axes \{'data', 'model'\}.*Fix: name only axes of the shard_map's mesh in the rule: "
+                         r"did you mean 'model' \(not 'modle'\)\?(\n|$)"),
+    "axis_typo_in_invariant": (rules.invariant("modle", "dta"),
+                               r"names mesh axes \['modle', 'dta'\].*did you mean 'model' \(not 'modle'\) and "
+                               r"'data' \(not 'dta'\)\?(\n|$)"),
+    "axis_far_from_mesh": (rules.invariant("pipeline"),  # nothing close: no guess
+                           r"names mesh axes \['pipeline'\].*Fix: name only axes of the shard_map's mesh in the "
+                           r"rule\.(\n|$)"),
     "custom_rule_unknown_axis": (lambda ctx, v: [frozenset({"modle"})],
-                                 r"names axes \['modle'\] that are not manual axes.*Fix: name only axes"),
+                                 r"names axes \['modle'\] that are not manual axes.*Fix: name only axes.*"
+                                 r"did you mean 'model' \(not 'modle'\)\?(\n|$)"),
     "like_out_of_range": (rules.like(3),
                           r"refers to input 3, but the kernel was called with 1 inputs.*Fix: use the index"),
     "too_many_outputs": (lambda ctx, v: [frozenset({"data"})] * 2,

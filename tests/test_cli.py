@@ -1,16 +1,22 @@
-"""``reprules audit``: the default workloads, a user target, --json, --strict."""
+"""``reprules audit``: the default workloads, a user target (off vs on), --json, --strict, exit codes."""
 
 import json
+import re
+import subprocess
+import sys
 import textwrap
 
+import jax
 import pytest
 
-from reprules import _cli
+import reprules
+from reprules import _audit_text, _cli
 
 TARGET = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np
     from jax.experimental import pallas as pl
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import reprules
     from reprules.testing import shard_map
 
     def user_copy_kernel(x_ref, o_ref):
@@ -24,6 +30,21 @@ TARGET = textwrap.dedent('''
         return _copy(x)
 
     kernel_copy.defvjp(lambda x: (_copy(x), None), lambda _, g: (_copy(g),))
+
+    def ruled_copy_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    reprules.replication_rule()(ruled_copy_kernel)  # registered when the module is imported
+
+    def _ruled_copy(x):
+        return pl.pallas_call(ruled_copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              interpret=True)(x)
+
+    @jax.custom_vjp
+    def ruled_copy(x):
+        return _ruled_copy(x)
+
+    ruled_copy.defvjp(lambda x: (_ruled_copy(x), None), lambda _, g: (_ruled_copy(g),))
     W = jnp.asarray(np.random.RandomState(0).randn(8, 128), jnp.float32)
 
     def audit_step():
@@ -38,17 +59,49 @@ TARGET = textwrap.dedent('''
         f = shard_map(lambda x, w: x @ w, mesh, (P("data", None), P()), P("data", None), check=True)
         return jax.grad(lambda w, x: (f(x, w) * 2.0).sum()), (jnp.ones((128, 4)), x)
 
+    def _step(copy, check):
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+        x = jax.device_put(jnp.ones((8, 128)), NamedSharding(mesh, P("data", None)))
+        f = shard_map(copy, mesh, P("data", None), P("data", None), check=check)
+        return {"step": jax.grad(lambda x: (f(x) * W).sum()), "args": (x,), "reference": lambda: W,
+                "name": "copy_step"}
+
+    def compared(check=True):
+        return _step(ruled_copy, check)
+
+    def unruled(check=True):
+        return _step(kernel_copy, check)
+
     def not_a_step():
         return 42
+
+    def needs_an_argument(batch_size):
+        return _step(kernel_copy, False)
+
+    def raises(check=True):
+        raise RuntimeError("no such dataset")
 ''')
 
 
 @pytest.fixture
 def target(tmp_path, monkeypatch):
     (tmp_path / "user_steps.py").write_text(TARGET)
+    (tmp_path / "broken_steps.py").write_text("raise ValueError('bad config')\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    return "user_steps"
+    yield "user_steps"
+    sys.modules.pop("user_steps", None)  # its rule is registered again when the next test imports it
+    sys.modules.pop("broken_steps", None)
+
+
+def _lines_fit(text):
+    long = [line for line in text.splitlines() if len(line) > _audit_text.WIDTH]
+    assert not long, long
+
+
+def _block(text, name):
+    (block,) = [b for b in text.split("\n== ") if b.startswith(name + ":")]
+    return block
 
 
 def test_default_audit_side_by_side(capsys):
@@ -56,14 +109,19 @@ def test_default_audit_side_by_side(capsys):
     out, err = capsys.readouterr()
     assert "[1/3] issue21855: checking off ... reprules ... done" in err
     assert "[3/3] layer_norm:" in err
-    blocks = out.split("\n== ")
-    assert len(blocks) == 4
-    issue = blocks[1]
-    assert "checking off" in issue and "reprules (checking on)" in issue
-    assert "defensive         1 all-reduce over model (1024 B)  0" in issue
-    assert "kernels with rules  0/1 (no rule: copy_kernel)        1/1" in issue
-    ln = blocks[3]
-    assert "2 all-reduce over data (1024 B)" in ln
+    _lines_fit(out)
+    assert len(out.split("\n== ")) == 4
+    issue = _block(out, "issue21855")
+    assert re.search(r"\n +checking off +reprules \(checking on\)\n", issue)
+    assert re.search(r"\n +defensive +1 \(1024 B\) +0 \(0 B\)\n", issue)
+    assert re.search(r"\n +kernels with rules +0/1 +1/1\n", issue)
+    assert re.search(r"kernels, reprules \(checking on\):\n +kernel +primitive +calls +rule +source\n"
+                     r" +copy_kernel +pallas_call +\d+ +rules.same\(\) +_workloads.py:\d+\n", issue)
+    assert re.search(r"collectives, checking off:\n.*\n +1 +all-reduce +model +f32\[2,128\] +1024 +defensive \(model\)",
+                     issue)
+    assert "collectives, reprules (checking on): none" in issue
+    ln = _block(out, "layer_norm")
+    assert re.search(r"all-reduce +data +f32\[128\] +512 +needed", ln)
 
 
 def test_default_audit_json(capsys):
@@ -71,6 +129,8 @@ def test_default_audit_json(capsys):
     out, err = capsys.readouterr()
     assert err == ""
     doc = json.loads(out)
+    assert doc["schema_version"] == _cli.SCHEMA_VERSION == 1
+    assert doc["target"] is None and doc["jax"] == jax.__version__ and doc["reprules"] == reprules.__version__
     assert doc["devices"] == 8 and doc["mesh"] == {"data": 4, "model": 2}
     by = {w["name"]: w for w in doc["workloads"]}
     assert set(by) == {"issue21855", "tp_mlp", "layer_norm"}
@@ -84,23 +144,75 @@ def test_default_audit_json(capsys):
         assert w["on"]["max_error"] < 1e-4 and w["off"]["max_error"] < 1e-4
     mlp = by["tp_mlp"]["on"]
     assert sorted(tuple(c["axes"]) for c in mlp["collectives"]) == [("data",), ("data",), ("model",), ("model",)]
+    assert all(c["source"].endswith(".py:" + c["source"].rsplit(":", 1)[1]) for c in mlp["collectives"])
     assert doc["strict_findings"] == []
 
 
-def test_user_target_strict_reports_kernel_and_decorator(target, capsys):
+def test_user_target_off_vs_on(target, capsys):
+    assert _cli.main(["audit", f"{target}:compared", "--strict"]) == 0
+    out, err = capsys.readouterr()
+    assert "checking off ... done" in err and "reprules (checking on) ... done" in err
+    _lines_fit(out)
+    assert out.startswith(f"reprules audit of {target}:compared: JAX {jax.__version__}")
+    block = _block(out, "copy_step")
+    assert re.search(r"\n +defensive +1 \(1024 B\) +0 \(0 B\)\n", block)
+    assert re.search(r"\n +kernels with rules +1/1 +1/1\n", block)  # the rule is registered; checking is off
+    assert re.search(r"\n +max error vs reference +0.00e\+00 +0.00e\+00\n", block)
+    assert "collectives, reprules (checking on): none" in block
+    assert "audited as given" not in out
+
+
+def test_user_target_off_vs_on_json(target, capsys):
+    assert _cli.main(["audit", f"{target}:compared", "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema_version"] == 1 and doc["target"] == f"{target}:compared"
+    (w,) = doc["workloads"]
+    assert w["name"] == "copy_step" and w["error"] is None and "given" not in w
+    assert (w["off"]["count"], w["off"]["defensive_count"], w["off"]["defensive_bytes"]) == (1, 1, 1024)
+    assert (w["on"]["count"], w["on"]["kernels_with_rules"], w["on"]["max_error"]) == (0, 1, 0.0)
+    assert w["on"]["mesh"] == {"data": 4, "model": 2}
+    assert doc["strict_findings"] == []
+
+
+def test_user_target_whose_checked_step_fails(target, capsys):
+    assert _cli.main(["audit", f"{target}:unruled", "--quiet"]) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    assert err == (f"reprules audit: error: {target}:unruled: the step failed, reprules (checking on): "
+                   "MissingRuleError: The Pallas kernel 'user_copy_kernel' has no replication rule, so it "
+                   "cannot run inside a shard_map with checking on (mesh axes {'data', 'model'}, "
+                   f"JAX {jax.__version__}).\n")
+    _lines_fit(out)
+    block = _block(out, "copy_step")
+    assert re.search(r"\n +defensive +1 \(1024 B\)\n", block)  # "off" is still shown
+    assert re.search(r"kernels, checking off:\n.*\n +user_copy_kernel +pallas_call +2 +NO RULE ", block)
+    assert re.search(r"(?s)\n   FAILED:\n     reprules \(checking on\): MissingRuleError: The Pallas kernel "
+                     r"'user_copy_kernel' has no\n.*\n     Fix: declare it once", block)
+    assert "@reprules.replication_rule()   # above `def user_copy_kernel(...)`" in out
+
+
+def test_user_target_as_given_strict_reports_kernel_and_decorator(target, capsys):
     assert _cli.main(["audit", f"{target}:audit_step", "--strict", "--quiet"]) == 1
     out, err = capsys.readouterr()
-    assert "user_copy_kernel (pallas_call x2) at " in out and "NO RULE" in out
-    assert "defensive collectives: 1 (1024 B per step)" in out
+    _lines_fit(out)
+    block = _block(out, "audit_step")
+    assert re.search(r"\n +as given\n", block)
+    assert re.search(r"kernels, as given:\n.*\n +user_copy_kernel +pallas_call +2 +NO RULE +user_steps.py:\d+\n",
+                     block)
+    assert re.search(r"\n +defensive +1 \(1024 B\)\n", block)
+    assert "user_copy_kernel (pallas_call x2), defined at" in out
     assert "@reprules.replication_rule()   # above `def user_copy_kernel(...)`" in out
-    assert "max error against the reference: 0.00e+00" in out
-    assert "reprules audit --strict: 1 defensive collectives, 1 kernels without a rule" in err
+    assert re.search(r"\n +max error vs reference +0.00e\+00\n", block)
+    assert "takes no `check` argument, so its step was audited as given" in out
+    assert err.startswith("reprules audit --strict: 2 findings:\n  audit_step: all-reduce over model")
+    assert "audit_step: kernel user_copy_kernel has no rule" in err
 
 
 def test_user_target_json_and_needed_all_reduce(target, capsys):
     assert _cli.main(["audit", f"{target}:data_parallel", "--json", "--strict", "--quiet"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    (c,) = doc["report"]["collectives"]
+    (w,) = doc["workloads"]
+    (c,) = w["given"]["collectives"]
     assert (c["kind"], c["axes"], c["status"], c["bytes"]) == ("all-reduce", ["data"], "needed", 128 * 4 * 4)
     assert doc["strict_findings"] == []
 
@@ -110,18 +222,77 @@ def test_user_target_json_and_needed_all_reduce(target, capsys):
     [
         ("user_steps", "is not of the form module:callable"),
         ("no_such_module_xyz:f", "Cannot import module 'no_such_module_xyz'"),
+        ("broken_steps:f", r"(?s)Importing module 'broken_steps' of target 'broken_steps:f' raised ValueError: "
+                           r"bad config.*Fix: run `python -c 'import broken_steps'`"),
         ("user_steps:missing", "has no attribute 'missing'"),
         ("user_steps:W", "not callable"),
         ("user_steps:not_a_step", r"returned int"),
+        ("user_steps:needs_an_argument", r"(?s)takes the required argument 'batch_size'.*Fix: give 'batch_size' a "
+                                         r"default"),
     ],
 )
 def test_bad_targets_are_usage_errors(target, capsys, spec, message):
-    assert _cli.main(["audit", spec, "--quiet"]) == 2
+    assert _cli.main(["audit", spec, "--quiet"]) == _cli.EXIT_USAGE == 2
     err = capsys.readouterr().err
-    assert "reprules audit: error:" in err
-    import re
-
+    assert err.startswith("reprules audit: error:")
+    assert "Traceback" not in err
     assert re.search(message, err)
+
+
+def test_a_target_that_raises_is_a_failure_without_traceback(target, capsys):
+    assert _cli.main(["audit", "user_steps:raises"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"(?s)\nreprules audit: error: user_steps:raises\(check=False\) raised RuntimeError: "
+                     r"no such dataset\nWhy: .*\nFix: ", err)
+    assert "Traceback" not in err
+
+
+def test_unsupported_jax_exits_3_without_traceback(monkeypatch, capsys):
+    from reprules import _shim
+
+    monkeypatch.setattr(_shim, "regime", lambda: _shim._detect("0.99.0"))
+    assert _cli.main(["audit", "--quiet"]) == _cli.EXIT_ENVIRONMENT == 3
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"reprules audit: error: reprules supports JAX >=0\.4\.28,<0\.13, but JAX 0\.99\.0 is "
+                        r"installed\.\nWhy: [^\n]*\nFix: install a supported JAX[^\n]*\n", err), err
+
+
+def test_internal_error_is_one_paragraph_unless_traceback_is_asked(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise KeyError("oops")
+
+    monkeypatch.setattr(_audit_text, "render", broken)
+    assert _cli.main(["audit", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"reprules audit: internal error: KeyError: 'oops'\nWhy: [^\n]*\n"
+                        r"Fix: rerun with --traceback and report the output\.\n", err), err
+    with pytest.raises(KeyError, match="oops"):
+        _cli.main(["audit", "--quiet", "--traceback"])
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        _cli.main(["--version"])
+    assert info.value.code == 0
+    assert re.fullmatch(rf"reprules {re.escape(reprules.__version__)} \(JAX {re.escape(jax.__version__)}, "
+                        r"jaxlib \S+, Python 3\.\d+\.\d+\)\n", capsys.readouterr().out)
+
+
+def test_version_from_the_console_imports_no_jax():
+    code = ("import sys; from reprules._cli import main\n"
+            "try:\n    main(['--version'])\nexcept SystemExit as e:\n    print(e.code, 'jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "0 False"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["audit", "--help"]])
+def test_help_lists_the_exit_codes(argv, capsys):
+    with pytest.raises(SystemExit):
+        _cli.main(argv)
+    out = capsys.readouterr().out
+    assert "exit codes:" in out
+    for code, text in _cli.EXIT_CODES.items():
+        assert f"  {code}  {text}" in out
 
 
 def test_no_command_prints_help(capsys):
@@ -134,6 +305,13 @@ def test_bad_device_count_is_a_usage_error(capsys):
     assert "--devices must be at least 1" in capsys.readouterr().err
 
 
-def test_too_few_started_devices_is_a_usage_error(capsys):
-    assert _cli.main(["audit", "--devices", "64", "--quiet"]) == 2
+def test_too_few_started_devices_is_an_environment_error(capsys):
+    assert _cli.main(["audit", "--devices", "64", "--quiet"]) == 3
     assert "JAX already started with 8 devices; the audit needs 64" in capsys.readouterr().err
+
+
+def test_text_helpers_fit_the_width():
+    assert _audit_text.clip("x" * 120) == "x" * 97 + "..."
+    assert _audit_text.clip_left("/very/long/path/" * 10 + "file.py:3", 30).endswith("file.py:3")
+    rows = [("a" * 60, "b" * 60, "c")] * 2
+    assert all(len(line) <= 100 for line in _audit_text.table(rows, "   "))

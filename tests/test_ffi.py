@@ -23,8 +23,8 @@ from helpers import (
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from reprules import _cpu_kernels as kernels
 from reprules import rules
+from reprules.testing import cpu_kernels as kernels
 
 pytestmark = pytest.mark.skipif(kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason()))
 

@@ -358,3 +358,25 @@ def test_reports_show_inferred_rules(mesh):
         report = testing.collectives(jax.jit(f), x)
     (kernel,) = [k for k in report.kernels if k.name == "kernel"]
     assert kernel.has_rule and kernel.rule.startswith("inferred(") and kernel.status().startswith("rule inferred")
+
+
+@pytest.mark.skipif(not NEW_SHARD_MAP, reason="out_shape carries varying axes from JAX 0.6 (check_vma)")
+def test_a_hand_annotation_that_contradicts_the_body_is_refused(mesh):
+    x = put(randn(0, (8, 16)), mesh, P("data", None))
+    field = "manual_axis_type" if hasattr(jax.ShapeDtypeStruct((1,), jnp.float32), "manual_axis_type") else "vma"
+
+    def replicated_claim(x):
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2.0
+
+        if field == "vma":
+            out = jax.ShapeDtypeStruct(x.shape, x.dtype, vma=frozenset())
+        else:
+            from jax._src import core  # the type JAX >= 0.10 takes; tokamax annotates like this
+
+            out = jax.ShapeDtypeStruct(x.shape, x.dtype, manual_axis_type=core.ManualAxisType(varying=frozenset()))
+        return pl.pallas_call(kernel, out_shape=out, interpret=True)(x)
+
+    f = shard_map(replicated_claim, mesh, P("data", None), P())  # P(): one shard as "the" value
+    with reprules.inference(), pytest.raises(reprules.RuleError, match=r"(?s)annotates output 0 as replicated over \{'data'\}.*pcast"):
+        jax.jit(f)(x)

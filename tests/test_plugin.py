@@ -72,6 +72,9 @@ def test_on_passes(no_all_reduce, collectives):
         "*@reprules.replication_rule()*",
     ])
     result.stdout.fnmatch_lines(["reprules *; JAX *; * devices"])
+    text = result.stdout.str()
+    assert "During handling of the above exception" not in text  # printed once, not chained
+    assert text.count("Why: these are defensive all-reduces") == 1, text
 
 
 def test_cpu_devices_option_and_marker_in_a_fresh_process(pytester):
@@ -92,6 +95,43 @@ def test_sixteen():
         "reprules *; JAX *; 4 cpu devices",
         "*needs 16 JAX devices, found 4; run pytest with --reprules-cpu-devices 16*",
     ])
+
+
+DEVICE_COUNT_TEST = """
+import jax
+
+def test_count():
+    print("device_count", jax.device_count())
+"""
+
+
+def test_cpu_devices_ini_setting_in_a_fresh_process(pytester):
+    pytester.makeini("[pytest]\nreprules_cpu_devices = 4\n")
+    pytester.makepyfile(test_count=DEVICE_COUNT_TEST)
+    result = pytester.runpytest_subprocess(*PLUGIN, "-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["reprules *; JAX *; 4 cpu devices", "*device_count 4*"])
+
+
+def test_cpu_devices_option_overrides_the_ini_setting(pytester):
+    pytester.makeini("[pytest]\nreprules_cpu_devices = 4\n")
+    pytester.makepyfile(test_count=DEVICE_COUNT_TEST)
+    result = pytester.runpytest_subprocess(*PLUGIN, "-s", "--reprules-cpu-devices", "2")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*device_count 2*"])
+
+
+@pytest.mark.parametrize("value, message", [
+    ("eight", "*reprules_cpu_devices = eight (in *tox.ini) is not a whole number.*"),
+    ("0", "*reprules_cpu_devices = 0: the number of fake CPU devices must be at least 1, got 0.*"),
+])
+def test_bad_cpu_devices_ini_setting_is_a_usage_error(pytester, value, message):
+    pytester.makefile(".ini", tox=f"[pytest]\nreprules_cpu_devices = {value}\n")
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess(*PLUGIN)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    assert "Traceback" not in result.stderr.str()
 
 
 def test_cpu_devices_option_fails_loudly_when_a_backend_already_started(pytester):

@@ -195,6 +195,8 @@ class Regime:
         in_vary = tuple(self.field.varying(jax.typeof(a)) for a in args[first:])
         ctx = _common.rule_context(reg, manual_axes(), len(in_vary), len(out_avals))
         decision = decide(reg, ctx, in_vary)
+        if isinstance(reg.rule, infer.InferredRule):
+            self._check_annotations(params, out_avals, decision.outputs, unannotated)
         args = (*args[:first], *_cast_inputs(args[first:], in_vary, decision.inputs))
         out_avals = tuple(
             self.field.retype(aval, vary) if i in unannotated else aval
@@ -204,6 +206,29 @@ class Regime:
             out = bind(*args, **{**params, "out_avals": out_avals})
         self._maybe_verify(reg, list(out))
         return out
+
+    def _check_annotations(self, params: dict[str, Any], out_avals: Sequence[Any],
+                           derived: Sequence[frozenset[str]], unannotated: dict[int, Any]) -> None:
+        """Under inference, an out_shape annotated by hand must not claim an output
+        replicated over an axis the body shows it depends on: JAX would believe
+        the annotation, and the gradient (or out_specs) would silently be wrong."""
+        for i, (aval, needed) in enumerate(zip(out_avals, derived)):
+            missing = needed - self.field.varying(aval)
+            if i not in unannotated and missing:
+                name = _common.kernel_name_from_params(params)
+                raise _errors.RuleError(
+                    f"The out_shape of Pallas kernel {name!r} annotates output {i} as replicated "
+                    f"over {_errors.fmt_axes(missing)}, but its body (analysed by "
+                    "reprules.inference()) makes it depend on inputs that vary over "
+                    f"{_errors.fmt_axes(missing)} (mesh axes {_errors.fmt_axes(manual_axes())}, "
+                    f"JAX {_common.JAX_VERSION}).\n"
+                    "Why: JAX believes the annotation, so per-device values would be treated as "
+                    "replicated: out_specs that drop the axis pass, and a gradient misses its psum.\n"
+                    f"Fix: annotate the output as varying over {_errors.fmt_axes(needed)} (or leave "
+                    "it unannotated and let inference type it); if the annotation comes from a "
+                    "library, cast the input it derives its type from up first, e.g. "
+                    f"jax.lax.pcast(w, {tuple(sorted(missing))!r}, to='varying')."
+                )
 
     def _maybe_verify(self, reg: Registration, outs: Sequence[Any]) -> None:
         if _modes.verifying():

@@ -1,0 +1,161 @@
+"""The text output of ``reprules audit``: every line within :data:`WIDTH` columns.
+
+Full detail (full source paths, op names, HLO lines) is in ``--json``; the
+text keeps what a reader compares: per workload, checking off vs reprules,
+then one short row per collective.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from reprules._report import Report
+
+WIDTH = 100
+LABELS = {"off": "checking off", "on": "reprules (checking on)", "given": "as given"}
+_LEVEL_MARKS = (("jaxpr", "J"), ("stablehlo", "S"), ("hlo", "H"))
+
+
+def clip(text: str, width: int = WIDTH) -> str:
+    """``text`` cut to ``width`` columns, ending in ``...`` when cut (ASCII: any console prints it)."""
+    return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
+
+
+def clip_left(text: str, width: int) -> str:
+    """``text`` cut to ``width`` columns from the left (for paths: the file name stays)."""
+    return text if len(text) <= width else "..." + text[len(text) - width + 3:]
+
+
+def wrap(text: str, indent: str, width: int = WIDTH) -> list[str]:
+    """Each line of ``text`` wrapped to ``width`` columns, indented."""
+    out: list[str] = []
+    for line in text.splitlines() or [""]:
+        out += textwrap.wrap(line, width, initial_indent=indent, subsequent_indent=indent + "  ",
+                             break_long_words=True, break_on_hyphens=False) or [indent.rstrip()]
+    return out
+
+
+def table(rows: Sequence[Sequence[str]], indent: str, width: int = WIDTH,
+          right: Sequence[int] = ()) -> list[str]:
+    """Rows as aligned columns, the widest columns clipped until a row fits ``width``."""
+    n = len(rows[0])
+    widths = [max(len(r[k]) for r in rows) for k in range(n)]
+    room = width - len(indent) - 2 * (n - 1)
+    while sum(widths) > room and max(widths) > 4:
+        widths[widths.index(max(widths))] -= 1
+    lines = []
+    for r in rows:
+        cells = [clip(v, w).rjust(w) if k in right else clip(v, w).ljust(w)
+                 for k, (v, w) in enumerate(zip(r, widths))]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return lines
+
+
+def short_source(source: str) -> str:
+    """``/a/b/file.py:12`` -> ``file.py:12``."""
+    if not source:
+        return "?"
+    path, _, line = source.rpartition(":")
+    return f"{os.path.basename(path)}:{line}" if path else source
+
+
+def _count(report: Report, defensive: bool | None = None) -> str:
+    found = report.collectives if defensive is None else report.select(defensive=defensive)
+    return f"{len(found)} ({sum(c.bytes for c in found)} B)"
+
+
+def _kernels(report: Report) -> str:
+    if not report.kernels:
+        return "none"
+    return f"{sum(1 for k in report.kernels if k.has_rule)}/{len(report.kernels)}"
+
+
+def _error(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2e}"
+
+
+def _collective_rows(report: Report) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = [("#", "kind", "over", "type", "bytes", "status", "levels", "source")]
+    for i, c in enumerate(report.collectives, 1):
+        status = c.status + (f" ({','.join(c.replicated_axes)})" if c.defensive else "")
+        levels = "".join(m if lvl in c.levels else "." for lvl, m in _LEVEL_MARKS)
+        rows.append((str(i), c.kind + ("*" if c.is_async else ""), c.axes_text(), c.shape_text(),
+                     str(c.bytes), status, levels, short_source(c.source)))
+    return rows
+
+
+def _kernel_rows(report: Report) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = [("kernel", "primitive", "calls", "rule", "source")]
+    for k in report.kernels:
+        rule = k.rule if k.has_rule else ("NO RULE" if k.identified else "NOT IDENTIFIED")
+        rows.append((k.name, k.primitive, str(k.count), rule, short_source(k.source)))
+    return rows
+
+
+def render_workload(entry: Mapping[str, Any]) -> list[str]:
+    """One workload (bundled or a user target): a summary table, its kernels, its collectives."""
+    lines = ["", clip(f"== {entry['name']}: {entry['title']}")]
+    keys = [k for k in ("off", "on", "given") if k in entry]
+    failure = ["   FAILED:", *wrap(str(entry["error"])[:2000], "     ")] if entry.get("error") else []
+    if not keys:
+        return lines + failure
+    reports: dict[str, Report] = {k: entry[k]["report"] for k in keys}
+    rows = [("", *(LABELS[k] for k in keys))]
+    rows += [
+        ("collectives", *(_count(reports[k]) for k in keys)),
+        ("  defensive", *(_count(reports[k], True) for k in keys)),
+        ("  needed", *(_count(reports[k], False) for k in keys)),
+        ("kernels with rules", *(_kernels(reports[k]) for k in keys)),
+        ("max error vs reference", *(_error(entry[k]["max_error"]) for k in keys)),
+    ]
+    lines += table(rows, "   ")
+    last = keys[-1]  # the reprules side, or the step as given (or checking off when reprules failed)
+    if reports[last].kernels:
+        lines.append(f"   kernels, {LABELS[last]}:")
+        lines += table(_kernel_rows(reports[last]), "     ", right=(2,))
+        for kern in reports[last].kernels:
+            if not kern.identified:
+                lines += wrap(f"{kern.name} at {short_source(kern.source)}: {kern.status()}", "     ")
+    for k in keys:
+        report = reports[k]
+        lines.append(f"   collectives, {LABELS[k]}:" + ("" if report.collectives else " none"))
+        if report.collectives:
+            lines += table(_collective_rows(report), "     ", right=(0, 4))
+    if any(c.defensive for k in keys for c in reports[k].collectives):
+        lines.append("   defensive (A): a transpose all-reduce summing over A, where its operand is replicated")
+    if any(c.folded for k in keys for c in reports[k].collectives):
+        lines.append("   levels: J jaxpr, S StableHLO, H compiled HLO; '.' under H: folded away by XLA")
+    return lines + failure
+
+
+def render_fixes(report: Report) -> list[str]:
+    """For a user target: the decorator each kernel without a rule needs."""
+    missing = report.kernels_without_rule
+    if not missing:
+        return []
+    lines = ["   to remove defensive collectives, give each kernel a rule and turn checking on:"]
+    for k in missing:
+        if not k.identified:
+            lines += wrap(f"{k.name}: {k.status()}", "     ")
+            continue
+        lines.append(clip(f"     {k.name} ({k.primitive} x{k.count}), defined at"))
+        lines.append("       " + clip_left(k.source or "?", WIDTH - 7))
+        lines.append(clip(f"       @reprules.replication_rule()   # above `def {k.name}(...)`"))
+    return lines
+
+
+def render(header: Sequence[str], entries: Sequence[Mapping[str, Any]], notes: Sequence[str] = (),
+           fixes: Report | None = None) -> str:
+    """The whole text report."""
+    lines = [line for h in header for line in wrap(h, "")]
+    for e in entries:
+        lines += render_workload(e)
+    if fixes is not None:
+        lines += render_fixes(fixes)
+    for note in notes:
+        lines += [""] + wrap(note, "")
+    return "\n".join(clip(line) for line in lines)

@@ -1,0 +1,282 @@
+"""The collectives report's records and their rendering: :class:`Kernel`, :class:`Collective`, :class:`Report`.
+
+What :func:`reprules.testing.collectives` returns. Built by
+:mod:`reprules._levels` from the jaxpr walk (:mod:`reprules._walk`) and the
+StableHLO/HLO text (:mod:`reprules._hlo`); how a collective is judged
+defensive is documented in :mod:`reprules._walk`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from reprules import _hlo
+
+LEVELS = ("jaxpr", "stablehlo", "hlo")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Kernel:
+    """An opaque kernel (Pallas call, FFI call...) found under ``shard_map``.
+
+    Attributes:
+      name: The kernel's name (the kernel function's ``__name__`` for Pallas).
+      primitive: The JAX primitive (``pallas_call``, ``ffi_call``...).
+      source: ``file:line`` of the kernel definition (on JAX 0.4.28, of its
+        first traced line) or of the call, if known.
+      has_rule: Whether a reprules replication rule is registered for it,
+        found by identity (the kernel object, the FFI target, the primitive)
+        as the checking finds it, never by a name another kernel shares.
+      rule: The rule's ``repr``, or ``""``.
+      checked: Whether its ``shard_map`` runs with checking on.
+      count: How many calls of it the program has.
+      identified: False when reprules did not see this kernel's call (traced
+        before its rule was registered, or through a ``pallas_call`` made
+        before reprules activated) and a registered kernel could be it:
+        ``has_rule`` is then False, as no rule was found, but the kernel may
+        be one of ``candidates``.
+      candidates: ``module.qualname`` of the registered kernels it could be.
+    """
+
+    name: str
+    primitive: str
+    source: str
+    has_rule: bool
+    rule: str
+    checked: bool | None
+    count: int = 1
+    identified: bool = True
+    candidates: tuple[str, ...] = ()
+
+    def status(self) -> str:
+        """``rule rules.same()``, ``NO RULE`` or ``NOT IDENTIFIED (...)``."""
+        if self.has_rule:
+            return f"rule {self.rule}"
+        if self.identified:
+            return "NO RULE"
+        return (f"NOT IDENTIFIED (reprules did not see this call; it may be {', '.join(self.candidates)}, "
+                "which has a rule: trace it after registering)")
+
+    def decorator(self) -> str:
+        """The line that gives this kernel a rule."""
+        return f"@reprules.replication_rule()  # above `def {self.name}`"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective of a program, matched across the three levels.
+
+    Attributes:
+      kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``,
+        ``collective-permute`` or ``all-to-all``.
+      levels: Where it appears: a subset of ``("jaxpr", "stablehlo", "hlo")``.
+      dtype: Element type (HLO spelling: ``f32``, ``bf16``...).
+      shapes: Per-device result shape(s).
+      bytes: Per-device bytes moved: the larger of the operand and the result
+        (the result for an all-gather, the operand for a reduce-scatter).
+      axes: Mesh axes it runs over, or ``None`` when the groups match none.
+      groups: The replica groups as printed, when ``axes`` is ``None``.
+      defensive: A transpose all-reduce over axes where its operand is
+        replicated (see the module docstring).
+      replicated_axes: The summed axes over which the operand was replicated.
+      origin: ``"autodiff"`` (made by a backward pass), ``"program"``, or
+        ``"xla"`` (only in compiled HLO: added by the SPMD partitioner).
+      primitive: The jaxpr primitive (``psum``, ``psum_invariant``...), or ``""``.
+      op_name: JAX's name stack for it (``transpose(jvp())/shard_map/psum``).
+      source: ``file:line`` of the user code that made it, if known.
+      is_async: Compiled as an asynchronous start/done pair (counted once).
+      checked: Whether its ``shard_map`` runs with checking on (``None``
+        outside ``shard_map``).
+      kernels_without_rule: Opaque kernels without a rule in the same
+        ``shard_map``: the likely reason checking is off.
+      lines: ``(level, text)`` of the matched StableHLO/HLO instructions.
+    """
+
+    kind: str
+    levels: tuple[str, ...]
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    bytes: int
+    axes: tuple[str, ...] | None
+    groups: str = ""
+    defensive: bool = False
+    replicated_axes: tuple[str, ...] = ()
+    origin: str = "program"
+    primitive: str = ""
+    op_name: str = ""
+    source: str = ""
+    is_async: bool = False
+    checked: bool | None = None
+    kernels_without_rule: tuple[str, ...] = ()
+    lines: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def status(self) -> str:
+        """``"defensive"`` or ``"needed"``."""
+        return "defensive" if self.defensive else "needed"
+
+    @property
+    def folded(self) -> bool:
+        """In the jaxpr or StableHLO, but folded away by XLA in compiled HLO."""
+        return "stablehlo" in self.levels and "hlo" not in self.levels
+
+    def axes_text(self) -> str:
+        if self.axes is None:
+            return self.groups or "?"
+        return ",".join(self.axes) if self.axes else "-"
+
+    def shape_text(self) -> str:
+        return " ".join(f"{self.dtype}[{','.join(map(str, s))}]" for s in self.shapes)
+
+    def describe(self) -> str:
+        """One line: kind, axes, type, bytes, status and where it came from."""
+        where = self.source or "?"
+        levels = "+".join(self.levels)
+        extra = f" (operand replicated over {','.join(self.replicated_axes)})" if self.defensive else ""
+        folded = ""
+        if self.levels == ("jaxpr",):
+            folded = "; not lowered: dead code or a deduplicated call"
+        elif self.folded:
+            folded = "; folded by XLA in compiled HLO"
+        name = f" {self.primitive}" if self.primitive else ""
+        return (
+            f"{self.kind} over {self.axes_text()}: {self.shape_text()}, {self.bytes} B, "
+            f"{self.status}{extra}{name} [{levels}{folded}] op_name={self.op_name or '?'} at {where}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["shapes"] = [list(s) for s in self.shapes]
+        d["lines"] = [list(x) for x in self.lines]
+        d["status"] = self.status
+        d["folded"] = self.folded
+        return d
+
+
+def _matches(c: Collective, kind: str | None, axes: Any, level: str | None, defensive: bool | None) -> bool:
+    if kind is not None and c.kind != kind:
+        return False
+    if axes is not None:
+        want = (axes,) if isinstance(axes, str) else tuple(axes)
+        if c.axes is None or set(c.axes) != set(want):
+            return False
+    if level is not None and level not in c.levels:
+        return False
+    if defensive is not None and c.defensive != defensive:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Report:
+    """Every collective of one program, at the three levels.
+
+    Attributes:
+      function: The audited function's name.
+      jax_version: ``jax.__version__``.
+      mesh: ``((axis name, size), ...)`` of the mesh used to name axes.
+      collectives: One :class:`Collective` per collective.
+      kernels: Opaque kernels found under ``shard_map``.
+    """
+
+    function: str
+    jax_version: str
+    mesh: tuple[tuple[str, int], ...]
+    collectives: tuple[Collective, ...]
+    kernels: tuple[Kernel, ...] = ()
+
+    def select(self, kind: str | None = None, *, axes: str | Iterable[str] | None = None,
+               level: str | None = None, defensive: bool | None = None) -> tuple[Collective, ...]:
+        """The collectives matching every given filter.
+
+        Args:
+          kind: E.g. ``"all-reduce"``.
+          axes: A mesh axis name or names (exact set).
+          level: ``"jaxpr"``, ``"stablehlo"`` or ``"hlo"``.
+          defensive: Only defensive (``True``) or needed (``False``) ones.
+        """
+        if kind is not None and kind not in _hlo.KINDS:
+            raise ValueError(f"unknown collective kind {kind!r}; expected one of {_hlo.KINDS}")
+        if level is not None and level not in LEVELS:
+            raise ValueError(f"unknown level {level!r}; expected one of {LEVELS}")
+        return tuple(c for c in self.collectives if _matches(c, kind, axes, level, defensive))
+
+    def count(self, kind: str | None = None, **filters: Any) -> int:
+        """How many collectives match (see :meth:`select`)."""
+        return len(self.select(kind, **filters))
+
+    def bytes(self, kind: str | None = None, **filters: Any) -> int:
+        """Per-device bytes of the matching collectives, per step."""
+        return sum(c.bytes for c in self.select(kind, **filters))
+
+    @property
+    def defensive(self) -> tuple[Collective, ...]:
+        return self.select(defensive=True)
+
+    @property
+    def kernels_without_rule(self) -> tuple[Kernel, ...]:
+        return tuple(k for k in self.kernels if not k.has_rule)
+
+    def table(self) -> str:
+        """A readable table of the collectives and kernels."""
+        head = f"collectives of {self.function} (JAX {self.jax_version}, mesh " + (
+            ", ".join(f"{n}={s}" for n, s in self.mesh) or "none") + ")"
+        rows = [("#", "kind", "axes", "type", "bytes", "status", "J S H", "primitive", "source")]
+        for i, c in enumerate(self.collectives):
+            marks = " ".join("x" if lvl in c.levels else "." for lvl in LEVELS)
+            rows.append((str(i), c.kind + ("*" if c.is_async else ""), c.axes_text(), c.shape_text(),
+                         str(c.bytes), c.status, marks, c.primitive or c.origin, _short(c.source)))
+        widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+        lines = [head]
+        lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        if not self.collectives:
+            lines.append("  (no collectives)")
+        total = sum(c.bytes for c in self.collectives)
+        d = self.defensive
+        lines.append(f"  total: {len(self.collectives)} collectives, {total} B per step; "
+                     f"{len(d)} defensive ({sum(c.bytes for c in d)} B)")
+        if any(c.folded for c in self.collectives):
+            lines.append("  (J S H = jaxpr, StableHLO, compiled HLO; '.' under H: folded away by XLA)")
+        for k in self.kernels:
+            lines.append(f"  kernel {k.name} ({k.primitive} x{k.count}): {k.status()}; {_short(k.source)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "function": self.function,
+            "jax_version": self.jax_version,
+            "mesh": dict(self.mesh),
+            "collectives": [c.to_dict() for c in self.collectives],
+            "kernels": [k.to_dict() for k in self.kernels],
+            "summary": {
+                "count": len(self.collectives),
+                "bytes": self.bytes(),
+                "defensive_count": len(self.defensive),
+                "defensive_bytes": sum(c.bytes for c in self.defensive),
+                "by_kind": {k: {"count": self.count(k), "bytes": self.bytes(k)}
+                            for k in _hlo.KINDS if self.count(k)},
+            },
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        """The report as JSON (``json.dumps`` keyword arguments pass through)."""
+        kwargs.setdefault("indent", 2)
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def _short(source: str) -> str:
+    if not source:
+        return ""
+    path, _, line = source.rpartition(":")
+    return f"{os.path.basename(path)}:{line}" if path else source
+
