@@ -1,0 +1,131 @@
+"""pytest plugin (loaded with `-p reprules_active`): makes reprules active while JAX's own tests run.
+
+At load time (before collection):
+  * `import reprules`; every rule pack that reprules discovered (`reprules.packs()`, the
+    `reprules.rules` entry points) is loaded by importing the module it covers;
+  * a rule is registered for an unrelated tiny Pallas copy kernel defined here, which
+    installs reprules' JAX patches (`reprules._shim.active()`).
+The state (JAX support, packs, registrations, the list of patched JAX objects) is written
+to $REPRULES_MARKER (JSON). At session end the plugin checks that every patch is still in
+place and that the rule works (the kernel inside a checked shard_map), and adds that.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import traceback
+import warnings
+
+_MARKER = os.environ.get("REPRULES_MARKER", "/tmp/jaxtests/reprules_marker.json")
+_state: dict = {"plugin_loaded": True, "argv": sys.argv}
+
+with warnings.catch_warnings(record=True) as _caught:
+    warnings.simplefilter("always")
+    import reprules
+    from reprules import rules
+
+    _state["reprules_file"] = reprules.__file__
+    _state["jax_support"] = reprules.jax_support()
+    _pack_imports = {}
+    for _p in reprules.packs():
+        try:
+            importlib.import_module(_p.module)
+            _pack_imports[_p.module] = "imported"
+        except Exception as err:  # a covered module that cannot be imported here
+            _pack_imports[_p.module] = f"import failed: {type(err).__name__}: {err}"
+    _state["pack_module_imports"] = _pack_imports
+    _state["packs"] = [
+        {"module": p.module, "name": p.name, "state": p.state, "error": p.error} for p in reprules.packs()
+    ]
+
+    @reprules.replication_rule(rules.same())
+    def _unrelated(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+_state["load_warnings"] = [f"{w.category.__name__}: {w.message}" for w in _caught]
+
+from reprules import _shim  # noqa: E402
+from reprules._shim import _common  # noqa: E402
+
+
+def _patch_list() -> list[dict]:
+    """The JAX objects reprules' live patches replaced, read from the undo closures."""
+    out = []
+    groups = [("activate", _shim._patches)] + [(f"attach:{k}", v) for k, v in _shim._attached.items()]
+    for group, patches in groups:
+        if patches is None:
+            continue
+        for undo in patches._undo:
+            cells = dict(zip(undo.__code__.co_freevars, (c.cell_contents for c in undo.__closure__ or ())))
+            installed = cells.get("installed")
+            if "mapping" in cells:
+                key = cells["key"]
+                now = cells["mapping"].get(key, None)
+                what = cells.get("label") or f"table[{key!r}]"
+            else:
+                obj, name = cells["obj"], cells["name"]
+                what = f"{_common._label(obj)}.{name}"
+                now = obj.__dict__.get(name) if hasattr(obj, "__dict__") else getattr(obj, name, None)
+            # in place: the installed hook, or a later hook of the same Patches wrapping it
+            ours = now is installed or getattr(now, "_reprules_guard", None) is patches
+            out.append({"group": group, "patched": what, "in_place": bool(ours and installed is not None)})
+    return out
+
+
+_state["active_after_registration"] = _shim.active()
+_state["registered"] = {k: str(v.rule) + f" ({v.source})" for k, v in reprules.registered().items()}
+_state["patches_at_load"] = _patch_list()
+
+
+def _dump() -> None:
+    with open(_MARKER, "w") as f:
+        json.dump(_state, f, indent=1, default=str)
+
+
+_dump()
+print(f"[reprules_active] reprules active: {_shim.active()}, {len(_state['patches_at_load'])} patches, "
+      f"packs: {[(p['module'], p['state']) for p in _state['packs']]}", file=sys.stderr)
+assert _shim.active(), "reprules patches were not installed"
+
+
+def pytest_report_header(config):
+    return (f"reprules_active: reprules {reprules.__version__} ({reprules.__file__}) ACTIVE, "
+            f"regime {_state['jax_support']['regime']}, {len(_state['patches_at_load'])} JAX patches live")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _state["active_at_end"] = _shim.active()
+    _state["patches_at_end"] = _patch_list()
+    _state["all_patches_in_place_at_end"] = all(p["in_place"] for p in _state["patches_at_end"])
+    _state["registered_at_end"] = sorted(reprules.registered())
+    # The rule still works: the registered kernel inside a checked shard_map.
+    try:
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.experimental import pallas as pl
+        from jax.sharding import Mesh, PartitionSpec as P
+
+        from reprules import testing
+
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(8), ("i",))
+        def body(x):
+            return pl.pallas_call(_unrelated, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  interpret=True)(x)
+        f = jax.jit(testing.shard_map(body, mesh, (P("i"),), P("i"), check=True))
+        x = jnp.arange(32.0).reshape(8, 4)
+        y = f(x)
+        _state["sanity_checked_shard_map"] = bool(np.array_equal(np.asarray(y), np.asarray(x)))
+        # With the rule the output varies over "i": out_specs=P() must be refused by JAX's check.
+        try:
+            jax.jit(testing.shard_map(body, mesh, (P("i"),), P(), check=True))(x)
+            _state["out_specs_P()_refused"] = False
+        except Exception as err:
+            _state["out_specs_P()_refused"] = f"{type(err).__name__}: {str(err)[:200]}"
+    except Exception:
+        _state["sanity_checked_shard_map"] = "FAILED: " + traceback.format_exc()
+    _dump()
