@@ -2,6 +2,8 @@
 
 * ``--reprules-cpu-devices N``, or the ini setting ``reprules_cpu_devices = N``
   (the option wins): N fake CPU devices, set before JAX starts.
+* ``--reprules-infer``, or the ini setting ``reprules_infer = true``: the whole
+  session runs under ``reprules.inference()`` (rules derived from kernel bodies).
 * ``@pytest.mark.reprules_devices(n)``: skip unless at least n devices exist.
 * fixtures ``no_all_reduce`` and ``collectives``.
 * a report-header line: reprules and JAX versions, device count.
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 
 INI = "reprules_cpu_devices"
+INFER_INI = "reprules_infer"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -31,6 +34,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         INI, "fake CPU devices to provide, as --reprules-cpu-devices N does (the option wins)",
         default="")
+    group.addoption(
+        "--reprules-infer", dest="reprules_infer", action="store_true", default=False,
+        help="run the session under reprules.inference(): a Pallas kernel without a registered "
+        f"rule gets one derived from its body (or a clear refusal); also the {INFER_INI} ini setting")
+    parser.addini(
+        INFER_INI, "run the session under reprules.inference(), as --reprules-infer does",
+        type="bool", default=False)
+
+
+def _inference_requested(config: pytest.Config) -> bool:
+    return bool(config.getoption("reprules_infer", False) or config.getini(INFER_INI))
 
 
 def _version(dist: str) -> str:
@@ -90,6 +104,12 @@ def _provide_devices(n: int, source: str) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if _inference_requested(config):  # after pytest_load_initial_conftests provided the devices
+        import reprules
+
+        context = reprules.inference()
+        context.__enter__()
+        config.add_cleanup(lambda: context.__exit__(None, None, None))
     config.addinivalue_line(
         "markers",
         "reprules_devices(n): the test needs at least n JAX devices; skipped when fewer exist "
@@ -98,6 +118,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     text = f"reprules {_version('reprules')}; JAX {_version('jax')}"
+    if _inference_requested(config):
+        text += "; inference on"
     n, _ = _requested_devices(config)
     if "jax" in sys.modules or n is not None:
         import jax

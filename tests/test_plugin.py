@@ -157,3 +157,47 @@ def test_bad():
     result = pytester.runpytest_inprocess(*PLUGIN, "-p", "no:cacheprovider")
     result.stdout.fnmatch_lines(["*reprules_devices takes one positive int*"])
     assert result.ret != 0
+
+
+INFER_TEST = '''
+import sys
+sys.path.insert(0, %r)
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+import reprules
+from helpers import make_mesh, put, randn, shard_map, copy_kernel
+
+def closure_copy(x):
+    def kernel(x_ref, o_ref):  # a new function on every call: nothing to register a rule on
+        o_ref[...] = x_ref[...]
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+def test_closure_kernel():
+    reprules.replication_rule()(copy_kernel)  # another kernel: reprules is active either way
+    mesh = make_mesh()
+    x = put(randn(0, (8, 16)), mesh, P("data", None))
+    out = jax.jit(shard_map(closure_copy, mesh, P("data", None), P("data", None)))(x)
+    assert float(abs(out - x).max()) < 1e-30
+''' % str(pathlib.Path(__file__).parent)
+
+
+@pytest.mark.parametrize("how", ["option", "ini", "off"])
+def test_infer_option_runs_the_session_under_inference(pytester, how):
+    pytester.makepyfile(test_infer=INFER_TEST)
+    args = [*PLUGIN, "--reprules-cpu-devices", "8", "-p", "no:cacheprovider"]
+    if how == "option":
+        args.append("--reprules-infer")
+    elif how == "ini":
+        pytester.makeini("[pytest]\nreprules_infer = true\n")
+    result = pytester.runpytest_subprocess(*args)
+    if how == "off":
+        result.assert_outcomes(failed=1)
+        result.stdout.fnmatch_lines([
+            "*MissingRuleError: The Pallas kernel 'kernel' has no replication rule*",
+            "*with reprules.inference()*",
+        ])
+    else:
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines(["reprules *; JAX *; inference on; 8 cpu devices"])
