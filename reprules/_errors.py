@@ -131,14 +131,14 @@ class StrictModeError(ReprulesError, ValueError):
 
 def mixed_cotangent_message(
     function: str, input_name: str, primal_type: str, axes: Iterable[str],
-    mesh_axes: Iterable[str], jax_version: str,
+    mesh_axes: Iterable[str], jax_version: str, psummed_by: str = "reprules",
 ) -> str:
     over = ", ".join(repr(a) for a in sorted(axes))
     return (
         f"The bwd rule of custom_vjp function {function!r} returned, for {input_name} of type "
         f"{primal_type}, a cotangent that varies over {fmt_axes(axes)} and mixes in a part that "
         f"was replicated over {over} (mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version}).\n"
-        f"Why: the primal is replicated over {over}, so reprules would psum the cotangent over "
+        f"Why: the primal is replicated over {over}, so {psummed_by} would psum the cotangent over "
         "it; that is exact for per-device contributions, but the replicated part would be "
         "counted once per device, a silently wrong gradient.\n"
         f"Fix: psum the varying part yourself in the bwd rule, e.g. "

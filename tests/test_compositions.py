@@ -199,3 +199,37 @@ def test_partially_manual_shard_map():
     xn, wn = np.asarray(x), np.asarray(w)
     assert max_err(jax.jit(grad)(x, w), jax.grad(lambda x, w: (x * w * t).sum(), argnums=(0, 1))(xn, wn)) < 1e-3
     assert psum_axes(grad, x, w) == [("data",)]
+
+
+@jax.custom_vjp
+def mul_and_double(x, w):
+    return kernel_mul(x, w), 2.0 * w
+
+
+def _mixed_bwd(res, g):  # dw adds the replicated 2 * g_z to the data-varying (g_y * x).sum(0)
+    x, w = res
+    g_y, g_z = g
+    return g_y * w, (g_y * x).sum(0, keepdims=True) + 2.0 * g_z
+
+
+mul_and_double.defvjp(lambda x, w: (mul_and_double(x, w), (x, w)), _mixed_bwd)
+
+
+def _mul_plus_double(x, w):
+    y, z = mul_and_double(x, w)
+    return y + z
+
+
+@pytest.mark.parametrize("name", ["plain", "jit", "checkpoint", "scan", "vmap_rows"])
+def test_mixed_cotangent_is_refused_in_every_composition(name):
+    """Every version, every regime (JAX <= 0.5 alone would psum it and count
+    ``2 * g_z`` once per device): a CotangentError, never a wrong gradient."""
+    reprules.replication_rule()(mul_kernel)
+    mesh, x, w, t = _data()
+    compose = COMPOSITIONS.get(name, lambda f: f)
+    f = shard_map(compose(_mul_plus_double), mesh, (P("data", None), P()), P("data", None))
+    grad = jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1))
+    with pytest.raises(reprules.CotangentError, match=(
+            r"(?s)custom_vjp function 'mul_and_double'.*input 1 \('w'\).*replicated over 'data'.*"
+            r"JAX \d+\.\d+.*Fix: psum the varying part yourself")):
+        jax.jit(grad)(x, w)

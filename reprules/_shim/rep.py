@@ -20,7 +20,7 @@ from reprules import _errors, _modes
 from reprules._decide import decide
 from reprules._registry import Registration
 from reprules.rules import Decision, VaryingSet
-from reprules._shim import _common, _verify, infer
+from reprules._shim import _common, _verify, custom_vjp_rep, infer
 
 NAME = "rep"
 VERSIONS = "0.4.28 - 0.5.x"
@@ -160,3 +160,4 @@ def install(patches: _common.Patches) -> None:
     if ffi is not None:
         attach(ffi, patches)
     _common.install_pallas_hooks(patches)  # rules dispatch by kernel jaxpr: nothing to apply at bind
+    custom_vjp_rep.install(patches)  # mixed cotangents JAX would over-count: refused
