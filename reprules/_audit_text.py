@@ -1,8 +1,9 @@
 """The text output of ``reprules audit``: every line within :data:`WIDTH` columns.
 
-Full detail (full source paths, op names, HLO lines) is in ``--json``; the
-text keeps what a reader compares: per workload, checking off vs reprules,
-then one short row per collective.
+Full detail (full source paths, op names, HLO lines) is in ``--json`` and
+``--html``; the text keeps what a reader compares: per workload, checking off
+vs reprules, its kernels (with how each is covered, and for one without a
+rule what inference would do), then one short row per collective.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from reprules._audit_coverage import Coverage
     from reprules._report import Report
 
 WIDTH = 100
@@ -88,12 +90,33 @@ def _collective_rows(report: Report) -> list[tuple[str, ...]]:
     return rows
 
 
-def _kernel_rows(report: Report) -> list[tuple[str, ...]]:
-    rows: list[tuple[str, ...]] = [("kernel", "primitive", "calls", "rule", "source")]
-    for k in report.kernels:
+def _kernel_rows(report: Report, coverage: Sequence[Coverage]) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = [("kernel", "primitive", "calls", "rule", "covered by", "source")]
+    for k, c in zip(report.kernels, coverage):
         rule = k.rule if k.has_rule else ("NO RULE" if k.identified else "NOT IDENTIFIED")
-        rows.append((k.name, k.primitive, str(k.count), rule, short_source(k.source)))
+        rows.append((k.name, k.primitive, str(k.count), rule, c.covered_by, short_source(k.source)))
     return rows
+
+
+def _inference_lines(report: Report, coverage: Sequence[Coverage]) -> list[str]:
+    """For each kernel without a rule: whether inference would cover it, or why not."""
+    from reprules._audit_coverage import describe
+
+    lines: list[str] = []
+    for k, c in zip(report.kernels, coverage):
+        if c.inference is not None:
+            hint = " (audit --infer uses it)" if c.inference.get("covers") else ""
+            lines += wrap(f"{k.name}: inference {describe(c.inference, short=True)}{hint}", "     ")
+    return lines
+
+
+def unmatched_notes(unmatched: Sequence[Mapping[str, str]]) -> list[str]:
+    """A note listing the ``kernel_named`` rules that matched no kernel."""
+    if not unmatched:
+        return []
+    names = "; ".join(f"{u['name']!r} (from {short_source(u['source'])})" for u in unmatched)
+    return [f"kernel_named rules that matched no traced kernel: {names}. Check the module and qualname "
+            "(print f'{kernel.__module__}:{kernel.__qualname__}' where the kernel is made)."]
 
 
 def render_workload(entry: Mapping[str, Any]) -> list[str]:
@@ -115,11 +138,13 @@ def render_workload(entry: Mapping[str, Any]) -> list[str]:
     lines += table(rows, "   ")
     last = keys[-1]  # the reprules side, or the step as given (or checking off when reprules failed)
     if reports[last].kernels:
+        coverage = entry[last]["coverage"]
         lines.append(f"   kernels, {LABELS[last]}:")
-        lines += table(_kernel_rows(reports[last]), "     ", right=(2,))
+        lines += table(_kernel_rows(reports[last], coverage), "     ", right=(2,))
         for kern in reports[last].kernels:
             if not kern.identified:
                 lines += wrap(f"{kern.name} at {short_source(kern.source)}: {kern.status()}", "     ")
+        lines += _inference_lines(reports[last], coverage)
     for k in keys:
         report = reports[k]
         lines.append(f"   collectives, {LABELS[k]}:" + ("" if report.collectives else " none"))

@@ -4,15 +4,21 @@ With no target, audits the bundled workloads on 8 fake CPU devices, side by
 side with checking off vs with reprules. With ``module:callable``, audits the
 user's step, also side by side when the callable takes ``check`` (protocol in
 :mod:`reprules._audit_target`). Progress goes to stderr, results to stdout
-(``--json`` for machines, :data:`SCHEMA_VERSION`); ``--strict`` exits 1 when
-a defensive collective or an opaque kernel without a rule is found on the
-reprules side. Errors are one paragraph (what, why, fix) without a traceback;
-the exit codes are :data:`EXIT_CODES`.
+(``--json`` for machines, :data:`SCHEMA_VERSION`); ``--html FILE`` also writes
+the report as one self-contained page (:mod:`reprules._audit_html`);
+``--infer`` runs the reprules side under ``reprules.inference()``. Each kernel
+says how it is covered (identity, name, inference or none) and, without a
+rule, whether inference would cover it (:mod:`reprules._audit_coverage`).
+``--strict`` exits 1 when a defensive collective, an opaque kernel without a
+rule, or a ``kernel_named`` rule that matched nothing is found on the reprules
+side. Errors are one paragraph (what, why, fix) without a traceback; the exit
+codes are :data:`EXIT_CODES`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -25,14 +31,18 @@ from reprules import _audit_text
 
 DEFAULT_DEVICES = 8
 SCHEMA_VERSION = 1
-"""Version of the ``--json`` document's layout; raised whenever a field changes meaning or goes away."""
+"""Version of the ``--json`` document's layout; raised whenever a field changes meaning or goes away
+(new fields are added within a version: ``inference``, ``unmatched_kernel_names`` and each kernel's
+``covered_by`` and ``inference`` were added in version 1)."""
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
 EXIT_CODES = {
     EXIT_OK: "the audit ran (with --strict: and found nothing)",
-    EXIT_FINDINGS: "--strict found a defensive collective or a kernel without a rule; or a step "
-                   "failed to trace, compile or run; or an internal error",
-    EXIT_USAGE: "usage error: bad arguments, or a TARGET that cannot be loaded",
+    EXIT_FINDINGS: "--strict found a defensive collective, a kernel without a rule or a kernel_named "
+                   "rule that matched nothing; or a step failed to trace, compile or run; or an "
+                   "internal error",
+    EXIT_USAGE: "usage error: bad arguments, a TARGET that cannot be loaded, or an --html FILE that "
+                "cannot be written",
     EXIT_ENVIRONMENT: "environment: unsupported JAX version, or JAX already started with too few devices",
 }
 _EXIT_HELP = "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES.items())
@@ -83,8 +93,14 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("target", nargs="?", help="module:callable returning (step, args)")
     audit.add_argument("--json", action="store_true",
                        help=f"print one JSON document on stdout (schema_version {SCHEMA_VERSION})")
+    audit.add_argument("--html", metavar="FILE",
+                       help="also write the report as one self-contained HTML page (charts, tables)")
+    audit.add_argument("--infer", action="store_true",
+                       help="run the reprules side under reprules.inference(): kernels without a rule "
+                            "get one derived from their body")
     audit.add_argument("--strict", action="store_true",
-                       help="exit 1 on defensive collectives or kernels without a rule")
+                       help="exit 1 on defensive collectives, kernels without a rule, or kernel_named "
+                            "rules that matched nothing")
     audit.add_argument("--devices", type=int, default=DEFAULT_DEVICES,
                        help=f"fake CPU devices to provide (default {DEFAULT_DEVICES})")
     audit.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -104,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     progress = _Progress(sys.stderr, enabled=not args.quiet)
     try:
+        _check_html_path(args.html)
         _provide_devices(args.devices, default_run=args.target is None)
         if args.target is None:
             return _audit_default(args, progress)
@@ -124,6 +141,31 @@ def main(argv: Sequence[str] | None = None) -> int:
               "Why: this is a bug in reprules, or an environment it does not expect.\n"
               "Fix: rerun with --traceback and report the output.", file=sys.stderr)
         return EXIT_FINDINGS
+
+
+def _check_html_path(path: str | None) -> None:
+    """Fails before the audit runs when ``--html FILE`` cannot be written."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    problem = ""
+    if os.path.isdir(path):
+        problem = "it is a directory"
+    elif not os.path.isdir(folder):
+        problem = f"the directory {folder} does not exist"
+    elif not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        problem = "it is not writable"
+    if problem:
+        raise _Failure(f"Cannot write the HTML report to {path!r}: {problem}.\n"
+                       "Why: --html writes one file, and the audit checks it can before it runs.\n"
+                       "Fix: pass a file path in an existing, writable directory, e.g. --html audit.html.",
+                       EXIT_USAGE)
+
+
+def _inferring(on: bool) -> contextlib.AbstractContextManager[None]:
+    import reprules
+
+    return reprules.inference() if on else contextlib.nullcontext()
 
 
 def _provide_devices(n: int, *, default_run: bool) -> None:
@@ -177,14 +219,21 @@ def _max_error(got: Any, expected: Any) -> float:
 def _variant(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], reference: Any) -> dict[str, Any]:
     import jax
 
-    from reprules import testing
+    from reprules import _audit_coverage, testing
 
     report = testing.collectives(step, *args, **kwargs)
+    coverage = _audit_coverage.of_step(step, args, kwargs)  # same registry state and mode as the report
     error = None
     if reference is not None:
         out = jax.jit(lambda *a: step(*a, **kwargs))(*args)
         error = _max_error(out, reference)
-    return {"report": report, "max_error": error}
+    return {"report": report, "max_error": error,
+            "coverage": tuple(_audit_coverage.lookup(coverage, k) for k in report.kernels)}
+
+
+def _kernel_dict(kernel: Any, coverage: Any) -> dict[str, Any]:
+    return {**kernel.to_dict(), "covered_by": coverage.covered_by,
+            "inference": None if coverage.inference is None else dict(coverage.inference)}
 
 
 def _summary(v: dict[str, Any]) -> dict[str, Any]:
@@ -193,7 +242,7 @@ def _summary(v: dict[str, Any]) -> dict[str, Any]:
         "function": report.function,
         "mesh": dict(report.mesh),
         "collectives": [c.to_dict() for c in report.collectives],
-        "kernels": [k.to_dict() for k in report.kernels],
+        "kernels": [_kernel_dict(k, c) for k, c in zip(report.kernels, v["coverage"])],
         "count": len(report.collectives),
         "bytes": report.bytes(),
         "defensive_count": len(report.defensive),
@@ -208,8 +257,20 @@ def _no_rule_text(kernel: Any) -> str:
     return "has no rule" if kernel.identified else f"was not identified ({kernel.status()})"
 
 
-def _strict_findings(entries: list[dict[str, Any]]) -> list[str]:
-    """Defensive collectives and rule-less kernels on the reprules side (or the one given step)."""
+def _unmatched_names() -> list[dict[str, str]]:
+    """``kernel_named`` rules that no kernel traced so far has matched."""
+    from reprules import _registry
+
+    out = []
+    for reg in _registry.unmatched_names():
+        kernel = reg.kernel()
+        out.append({"name": getattr(kernel, "qualified", reg.where), "rule": repr(reg.rule), "source": reg.source})
+    return out
+
+
+def _strict_findings(entries: list[dict[str, Any]], unmatched: list[dict[str, str]]) -> list[str]:
+    """Defensive collectives and rule-less kernels on the reprules side (or the one given step), and
+    ``kernel_named`` rules, other than a pack's, that matched no kernel."""
     found = []
     for e in entries:
         v = e.get("on") or e.get("given")
@@ -217,28 +278,43 @@ def _strict_findings(entries: list[dict[str, Any]]) -> list[str]:
             rep = v["report"]
             found += [f"{e['name']}: {c.describe()}" for c in rep.defensive]
             found += [f"{e['name']}: kernel {k.name} {_no_rule_text(k)}" for k in rep.kernels_without_rule]
+    found += [f"kernel_named({u['name']!r}) matched no kernel ({_audit_text.short_source(u['source'])})"
+              for u in unmatched if not u["source"].startswith("pack ")]
     return found
 
 
 def _document(support: dict[str, str], devices: int, target: str | None, mesh: dict[str, int] | None,
-              entries: list[dict[str, Any]], findings: list[str]) -> dict[str, Any]:
+              entries: list[dict[str, Any]], findings: list[str], infer: bool,
+              unmatched: list[dict[str, str]]) -> dict[str, Any]:
     """The ``--json`` document (layout :data:`SCHEMA_VERSION`)."""
     import reprules
 
     return {
         "schema_version": SCHEMA_VERSION,
         "reprules": reprules.__version__, "jax": support["jax"], "regime": support["regime"],
-        "devices": devices, "target": target, "mesh": mesh,
+        "devices": devices, "target": target, "mesh": mesh, "inference": infer,
         "workloads": [
             {"name": e["name"], "title": e["title"], "error": e.get("error"),
              **{k: _summary(e[k]) for k in ("off", "on", "given") if k in e}}
             for e in entries],
+        "unmatched_kernel_names": unmatched,
         "strict_findings": findings,
     }
 
 
 def _finish(args: argparse.Namespace, text: str, doc: dict[str, Any], failed: bool,
-            findings: list[str]) -> int:
+            findings: list[str], progress: _Progress) -> int:
+    if args.html is not None:
+        from reprules import _audit_html
+
+        try:
+            with open(args.html, "w", encoding="utf-8") as page:
+                page.write(_audit_html.render(doc))
+        except OSError as err:
+            raise _Failure(f"Cannot write the HTML report to {args.html!r}: {err}.\n"
+                           "Why: --html writes the whole report to that file.\n"
+                           "Fix: pass a file path in an existing, writable directory.", EXIT_USAGE) from None
+        progress(f"wrote {args.html}")
     print(json.dumps(doc, indent=2) if args.json else text)
     if failed:
         return EXIT_FINDINGS
@@ -251,9 +327,12 @@ def _finish(args: argparse.Namespace, text: str, doc: dict[str, Any], failed: bo
     return EXIT_OK
 
 
-def _header(support: dict[str, str], devices: int, what: str) -> list[str]:
-    return [f"reprules audit of {what}: JAX {support['jax']} ({support['regime']} regime), {devices} devices",
-            "collectives per training step, bytes per device (full detail: --json)"]
+def _header(support: dict[str, str], devices: int, what: str, infer: bool) -> list[str]:
+    lines = [f"reprules audit of {what}: JAX {support['jax']} ({support['regime']} regime), {devices} devices",
+             "collectives per training step, bytes per device (full detail: --json, --html)"]
+    if infer:
+        lines.append("--infer: the reprules side runs under reprules.inference() (rules derived from kernel bodies)")
+    return lines
 
 
 def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
@@ -276,21 +355,24 @@ def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
         try:
             kernels = case.kernels()
             reference = case.reference()
-            ours = [k for k in kernels if _registry.lookup(k) is None]
+            before = {k: reg.rule for k in kernels if (reg := _registry.lookup(k)) is not None}  # packs
             for k in kernels:  # "off" is what users run today: no rules
                 reprules.unregister(k)
             progress("checking off ... ", end="")
             built = case.build(mesh, False)
             entry["off"] = _variant(built.step, built.args, {}, reference)
             progress("reprules ... ", end="")
-            for k in kernels:
-                reprules.replication_rule()(k)
+            for k in kernels:  # with --infer, only the rules that were there: inference does the rest
+                if k in before or not args.infer:
+                    reprules.replication_rule(before.get(k))(k)
             try:
-                built = case.build(mesh, True)
-                entry["on"] = _variant(built.step, built.args, {}, reference)
+                with _inferring(args.infer):
+                    built = case.build(mesh, True)
+                    entry["on"] = _variant(built.step, built.args, {}, reference)
             finally:
-                for k in ours:
-                    reprules.unregister(k)
+                for k in kernels:
+                    if k not in before:
+                        reprules.unregister(k)
             progress(f"done ({time.perf_counter() - start:.1f} s)")
         except reprules.UnsupportedJaxError:
             raise
@@ -300,13 +382,15 @@ def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
             progress(f"FAILED ({type(err).__name__})")
         results.append(entry)
 
-    findings = _strict_findings(results)
+    unmatched = _unmatched_names()
+    findings = _strict_findings(results, unmatched)
     devices = jax.device_count()
     doc = _document(support, devices, None, dict(zip(_workloads.MESH_AXES, _workloads.MESH_SHAPE)),
-                    results, findings)
-    text = "" if args.json else _audit_text.render(_header(support, devices, "the bundled workloads"),
-                                                   results)
-    return _finish(args, text, doc, failed, findings)
+                    results, findings, args.infer, unmatched)
+    text = "" if args.json else _audit_text.render(
+        _header(support, devices, "the bundled workloads", args.infer), results,
+        notes=_audit_text.unmatched_notes(unmatched))
+    return _finish(args, text, doc, failed, findings, progress)
 
 
 def _audit_target(args: argparse.Namespace, progress: _Progress) -> int:
@@ -346,7 +430,8 @@ def _audit_target(args: argparse.Namespace, progress: _Progress) -> int:
         entry["name"] = target.name
         try:
             reference = target.reference() if target.reference is not None else None
-            entry[key] = _variant(target.step, target.args, dict(target.kwargs), reference)
+            with _inferring(args.infer and key != "off"):
+                entry[key] = _variant(target.step, target.args, dict(target.kwargs), reference)
             progress(f"done ({time.perf_counter() - start:.1f} s)", end="")
         except reprules.UnsupportedJaxError:
             raise
@@ -357,21 +442,22 @@ def _audit_target(args: argparse.Namespace, progress: _Progress) -> int:
             break
     progress("")
 
-    findings = _strict_findings([entry])
+    unmatched = _unmatched_names()
+    findings = _strict_findings([entry], unmatched)
     devices = jax.device_count()
-    doc = _document(support, devices, args.target, None, [entry], findings)
+    doc = _document(support, devices, args.target, None, [entry], findings, args.infer, unmatched)
     text = ""
     if not args.json:
-        notes = []
+        notes = _audit_text.unmatched_notes(unmatched)
         if not factory.takes_check:
             notes.append(f"note: {args.target} takes no `check` argument, so its step was audited as "
                          "given. To compare checking off with reprules, let it take one "
                          f"(`def {factory.name.rsplit('.', 1)[-1]}(check=True)`) and pass it to "
                          "shard_map (check_vma, or check_rep on JAX <= 0.5).")
         last = entry.get("on") or entry.get("given") or entry.get("off")  # "off" when "on" failed
-        text = _audit_text.render(_header(support, devices, args.target), [entry], notes,
+        text = _audit_text.render(_header(support, devices, args.target, args.infer), [entry], notes,
                                   fixes=last["report"] if last else None)
     if failed:  # the report (text or JSON) has the whole message
         print(f"reprules audit: error: {args.target}: the step failed, {entry['error'].split(chr(10))[0]}",
               file=sys.stderr)
-    return _finish(args, text, doc, failed, findings)
+    return _finish(args, text, doc, failed, findings, progress)

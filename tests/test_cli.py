@@ -1,4 +1,5 @@
-"""``reprules audit``: the default workloads, a user target (off vs on), --json, --strict, exit codes."""
+"""``reprules audit``: the default workloads, a user target (off vs on), --json, --html, --infer, --strict,
+how each kernel is covered, exit codes."""
 
 import json
 import re
@@ -82,16 +83,53 @@ TARGET = textwrap.dedent('''
         raise RuntimeError("no such dataset")
 ''')
 
+# Registers rules by name when imported: one that matches a nested kernel, one that matches nothing.
+NAMED = textwrap.dedent('''
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.experimental import pallas as pl
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import reprules
+    from reprules.testing import shard_map
+
+    reprules.replication_rule()(reprules.kernel_named("named_steps:named.<locals>.nested_kernel"))
+    reprules.replication_rule()(reprules.kernel_named("named_steps:nowhere.<locals>.kernel"))
+
+    def _mesh_and_x():
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+        return mesh, jax.device_put(jnp.ones((8, 128)), NamedSharding(mesh, P("data", None)))
+
+    def _run(kernel, mesh, x, check):
+        call = lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                        interpret=True)(x)
+        f = shard_map(call, mesh, P("data", None), P("data", None), check=check)
+        return jax.jit(lambda x: f(x).sum())
+
+    def named(check=True):
+        def nested_kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2.0
+        mesh, x = _mesh_and_x()
+        return {"step": _run(nested_kernel, mesh, x, check), "args": (x,), "name": "named_step"}
+
+    def device_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + jax.lax.axis_index("data").astype(jnp.float32)
+
+    def reads_device():
+        mesh, x = _mesh_and_x()
+        return _run(device_kernel, mesh, x, False), (x,)
+''')
+
 
 @pytest.fixture
 def target(tmp_path, monkeypatch):
     (tmp_path / "user_steps.py").write_text(TARGET)
     (tmp_path / "broken_steps.py").write_text("raise ValueError('bad config')\n")
+    (tmp_path / "named_steps.py").write_text(NAMED)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "user_steps"
     sys.modules.pop("user_steps", None)  # its rule is registered again when the next test imports it
     sys.modules.pop("broken_steps", None)
+    sys.modules.pop("named_steps", None)
 
 
 def _lines_fit(text):
@@ -115,8 +153,8 @@ def test_default_audit_side_by_side(capsys):
     assert re.search(r"\n +checking off +reprules \(checking on\)\n", issue)
     assert re.search(r"\n +defensive +1 \(1024 B\) +0 \(0 B\)\n", issue)
     assert re.search(r"\n +kernels with rules +0/1 +1/1\n", issue)
-    assert re.search(r"kernels, reprules \(checking on\):\n +kernel +primitive +calls +rule +source\n"
-                     r" +copy_kernel +pallas_call +\d+ +rules.same\(\) +_workloads.py:\d+\n", issue)
+    assert re.search(r"kernels, reprules \(checking on\):\n +kernel +primitive +calls +rule +covered by +source\n"
+                     r" +copy_kernel +pallas_call +\d+ +rules.same\(\) +identity +_workloads.py:\d+\n", issue)
     assert re.search(r"collectives, checking off:\n.*\n +1 +all-reduce +model +f32\[2,128\] +1024 +defensive \(model\)",
                      issue)
     assert "collectives, reprules (checking on): none" in issue
@@ -131,6 +169,7 @@ def test_default_audit_json(capsys):
     doc = json.loads(out)
     assert doc["schema_version"] == _cli.SCHEMA_VERSION == 1
     assert doc["target"] is None and doc["jax"] == jax.__version__ and doc["reprules"] == reprules.__version__
+    assert doc["inference"] is False and doc["unmatched_kernel_names"] == []
     assert doc["devices"] == 8 and doc["mesh"] == {"data": 4, "model": 2}
     by = {w["name"]: w for w in doc["workloads"]}
     assert set(by) == {"issue21855", "tp_mlp", "layer_norm"}
@@ -142,6 +181,13 @@ def test_default_audit_json(capsys):
         assert w["on"]["defensive_count"] == 0
         assert w["off"]["defensive_count"] >= 1
         assert w["on"]["max_error"] < 1e-4 and w["off"]["max_error"] < 1e-4
+    for w in by.values():  # a rule by identity on the reprules side; off, no rule, and inference would cover it
+        assert all((k["covered_by"], k["inference"]) == ("identity", None) for k in w["on"]["kernels"])
+        for k in w["off"]["kernels"]:
+            assert k["covered_by"] == "none" and isinstance(k["inference"]["covers"], bool)
+            if w["name"] != "layer_norm":  # JAX's layer_norm: refused on 0.4.x (its `for` loop primitive)
+                assert k["inference"]["covers"] is True
+                assert k["inference"]["rule"].startswith("inferred(out0 <- [")
     mlp = by["tp_mlp"]["on"]
     assert sorted(tuple(c["axes"]) for c in mlp["collectives"]) == [("data",), ("data",), ("model",), ("model",)]
     assert all(c["source"].endswith(".py:" + c["source"].rsplit(":", 1)[1]) for c in mlp["collectives"])
@@ -174,6 +220,71 @@ def test_user_target_off_vs_on_json(target, capsys):
     assert doc["strict_findings"] == []
 
 
+def test_infer_covers_the_unruled_target(target, capsys, tmp_path):
+    page = tmp_path / "report.html"
+    assert _cli.main(["audit", f"{target}:unruled", "--infer", "--strict", "--html", str(page)]) == 0
+    out, err = capsys.readouterr()
+    assert f"wrote {page}" in err
+    _lines_fit(out)
+    assert "\n--infer: the reprules side runs under reprules.inference()" in out
+    block = _block(out, "copy_step")
+    assert re.search(r"\n +defensive +1 \(1024 B\) +0 \(0 B\)\n", block)
+    assert re.search(r"\n +user_copy_kernel +pallas_call +2 +inferred\(out0 <- \[0\]\) +inference +user_steps.py:\d+\n",
+                     block)
+    html = page.read_text()
+    assert "user_copy_kernel" in html and "b-inference" in html and "reprules side under reprules.inference()" in html
+    assert _cli.main(["audit", f"{target}:unruled", "--infer", "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (w,) = doc["workloads"]
+    assert doc["inference"] is True and w["error"] is None
+    (off,), (on,) = w["off"]["kernels"], w["on"]["kernels"]
+    assert (off["covered_by"], off["inference"]) == ("none", {"covers": True, "rule": "inferred(out0 <- [0])"})
+    assert (on["covered_by"], on["has_rule"], on["inference"]) == ("inference", True, None)
+    assert w["on"]["max_error"] == 0.0
+
+
+def test_rules_by_name_and_names_that_match_nothing(target, capsys):
+    assert _cli.main(["audit", "named_steps:named", "--strict", "--quiet"]) == 1
+    out, err = capsys.readouterr()
+    _lines_fit(out)
+    assert re.search(r"\n +nested_kernel +pallas_call +1 +rules.same\(\) +name +named_steps.py:\d+\n", out)
+    assert re.search(r"(?s)kernel_named rules that matched no traced kernel: "
+                     r"'named_steps:nowhere.<locals>.kernel' \(from\s+named_steps.py:\d+\)", out)
+    assert "named_steps:named.<locals>.nested_kernel" not in out.split("matched no traced kernel")[1]
+    assert re.fullmatch(r"reprules audit --strict: 1 finding:\n  kernel_named\('named_steps:nowhere.<locals>.kernel'\) "
+                        r"matched no kernel \(named_steps.py:\d+\)\n", err), err
+    assert _cli.main(["audit", "named_steps:named", "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (u,) = doc["unmatched_kernel_names"]
+    assert (u["name"], u["rule"]) == ("named_steps:nowhere.<locals>.kernel", "rules.same()")
+    assert re.fullmatch(r".*named_steps.py:\d+", u["source"])
+    assert [k["covered_by"] for v in ("off", "on") for k in doc["workloads"][0][v]["kernels"]] == ["name", "name"]
+
+
+def test_inference_refusal_is_reported_with_primitive_and_line(target, capsys):
+    assert _cli.main(["audit", "named_steps:reads_device", "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (k,) = doc["workloads"][0]["given"]["kernels"]
+    assert (k["name"], k["covered_by"], k["has_rule"]) == ("device_kernel", "none", False)
+    inference = k["inference"]
+    assert (inference["covers"], inference["primitive"]) == (False, "axis_index")
+    assert re.match(r".*named_steps.py:\d+", inference["where"]) and "device_kernel" in inference["where"]
+    assert inference["reason"].startswith("reads the device's identity")
+    assert _cli.main(["audit", "named_steps:reads_device", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    _lines_fit(out)
+    assert re.search(r"(?s)\n     device_kernel: inference refuses: `axis_index` at named_steps.py:\d+.*"
+                     r"reads\s+the\s+device's identity", out), out
+
+
+@pytest.mark.parametrize("where, problem", [("missing_dir/r.html", "does not exist"), (".", "it is a directory")])
+def test_html_path_that_cannot_be_written_is_a_usage_error(target, capsys, where, problem):
+    assert _cli.main(["audit", f"{target}:compared", "--html", where, "--quiet"]) == _cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"reprules audit: error: Cannot write the HTML report to '{re.escape(where)}': [^\n]*"
+                        rf"{problem}[^\n]*\.\nWhy: [^\n]*\nFix: [^\n]*\n", err), err
+
+
 def test_user_target_whose_checked_step_fails(target, capsys):
     assert _cli.main(["audit", f"{target}:unruled", "--quiet"]) == 1
     out, err = capsys.readouterr()
@@ -197,7 +308,8 @@ def test_user_target_as_given_strict_reports_kernel_and_decorator(target, capsys
     _lines_fit(out)
     block = _block(out, "audit_step")
     assert re.search(r"\n +as given\n", block)
-    assert re.search(r"kernels, as given:\n.*\n +user_copy_kernel +pallas_call +2 +NO RULE +user_steps.py:\d+\n",
+    assert re.search(r"kernels, as given:\n.*\n +user_copy_kernel +pallas_call +2 +NO RULE +none +user_steps.py:\d+\n"
+                     r" +user_copy_kernel: inference would cover it: inferred\(out0 <- \[0\]\) \(audit --infer uses it\)\n",
                      block)
     assert re.search(r"\n +defensive +1 \(1024 B\)\n", block)
     assert "user_copy_kernel (pallas_call x2), defined at" in out
