@@ -68,7 +68,7 @@ import jax
 from reprules import _errors, _modes
 from reprules._decide import decide
 from reprules._registry import Registration, lookup
-from reprules._shim import _common, vma
+from reprules._shim import _common, infer, vma
 from reprules.rules import Decision
 
 # --- the code objects that identify JAX's closures -------------------------------
@@ -181,12 +181,32 @@ def is_kernel_primitive(primitive: Any) -> bool:
 
 def registration_of(params: dict[str, Any]) -> Registration | None:
     """The current registration behind a ``core_map`` / ``mpmd_map`` equation (its first
-    registered body), or None."""
+    registered body), else, under ``reprules.inference()``, the rule derived for it
+    when its call was traced, or None."""
     for body in _bodies_of(params) or ():
         reg = lookup(body)
         if reg is not None:
             return reg
+    if _modes.inferring():
+        with _by_jaxpr_lock:
+            for jaxpr in _eqn_jaxprs(params):
+                found = _inferred.get(jaxpr)
+                if found is not None:
+                    return found
     return None
+
+
+# Kernel jaxprs of pl.kernel calls typed by a derived rule -> that rule's registration.
+_inferred: weakref.WeakKeyDictionary[Any, Registration] = weakref.WeakKeyDictionary()
+
+
+def _remember_inferred(jaxprs: Sequence[Any], reg: Registration) -> None:
+    with _by_jaxpr_lock:
+        for jaxpr in jaxprs:
+            try:
+                _inferred[jaxpr] = reg
+            except TypeError:  # not weak-referenceable
+                pass
 
 
 def kernel_name(params: dict[str, Any]) -> str:
@@ -412,6 +432,22 @@ class _Hooks:
 
         return new_ref
 
+    def _refuse_if_strict(self, local: dict[str, Any], refusal: infer.Refusal,
+                          in_vary: Sequence[frozenset[str]]) -> None:
+        """0.8 - 0.9: JAX types a rule-less pl.kernel's outputs replicated, which strict
+        mode refuses; say there why inference could not derive a rule."""
+        if not (_modes.strict_on() and frozenset().union(*in_vary)):
+            return
+        from reprules._registry import kernel_name as name_of
+
+        name, axes = name_of(local.get("body")), vma.manual_axes()
+        raise _errors.MissingRuleError(_errors.missing_rule_message(
+            name, axes, _common.JAX_VERSION,
+            jax_error=f"none: JAX {_common.JAX_VERSION} types every output of a pl.kernel "
+                      "replicated, whatever its body writes, and reprules.strict() refuses that",
+            inference=infer.refusal_text(refusal, name, axes, _common.JAX_VERSION),
+        ))
+
     def _out_target(self, act: _Activation, index: int) -> frozenset[str]:
         leaf = act.out_leaves[index] if index < len(act.out_leaves) else None
         # The user's own annotation wins, as for pallas_call (JAX 0.8 - 0.9 alone ignore it here).
@@ -423,13 +459,21 @@ class _Hooks:
         acts = _state.activations
         if acts and acts[-1].frame is wrapper:
             return acts[-1]
+        if _trialing.get():  # reprules' own trace of a body, for inference
+            return None
         local = _locals(wrapper)
         reg = lookup(local.get("body"))
-        if reg is None:
-            return None
         operands = jax.tree_util.tree_leaves(local.get("operands", ()))
         out_leaves = jax.tree_util.tree_leaves(local.get("out_shape", ()))
         in_vary = self._in_varying(operands)
+        if reg is None:
+            if not _modes.inferring():
+                return None
+            found = _infer_kernel(local, len(operands), len(out_leaves))
+            if not isinstance(found, Registration):
+                self._refuse_if_strict(local, found, in_vary)
+                return None  # JAX alone types the call (0.8 - 0.9 accept it, typed replicated)
+            reg = found
         decision = decide(reg, self._context(reg, len(in_vary), len(out_leaves)), in_vary)
         _common.note_registered_call()
         act = _Activation(wrapper, reg, decision, out_leaves)
@@ -444,7 +488,7 @@ class _Hooks:
 
         def bind(*args: Any, **params: Any) -> Any:
             wrapped = _caller()
-            if wrapped is None or wrapped.f_code is not codes.core_map_wrapped:
+            if wrapped is None or wrapped.f_code is not codes.core_map_wrapped or _trialing.get():
                 return original(*args, **params)  # a re-bind (discharge, vmap, ...)
             outer = wrapped.f_back
             if outer is not None and codes.kernel_wrapper is not None and outer.f_code is codes.kernel_wrapper:
@@ -465,7 +509,9 @@ class _Hooks:
         out = original(*args, **params)
         if body is not None:
             _remember((params.get("jaxpr"),), body)
-        reg = lookup(body)
+        reg = act.reg if act is not None else lookup(body)
+        if act is not None and isinstance(reg.rule, infer.InferredRule):
+            _remember_inferred((params.get("jaxpr"),), reg)
         if reg is not None and act is not None and _modes.verifying():
             refs = jax.tree_util.tree_leaves(local.get("out_refs", ()))
             values = [ref[...] for ref in refs]
@@ -500,7 +546,8 @@ class _Hooks:
             fns = [fn for _, fn in (args[0] if args else kwargs.get("meshes_and_fns", ()))]
             out_types = args[1] if len(args) > 1 else kwargs.get("out_types", ())
             checking = vma.checking()
-            let = checking and any(lookup(fn) is not None for fn in fns)
+            # Under inference any body may get a rule; one refused raises at the call.
+            let = checking and (_modes.inferring() or any(lookup(fn) is not None for fn in fns))
             token = _letting_through.set(let)
             try:
                 wrapper = original(*args, **kwargs)
@@ -572,19 +619,32 @@ class _Hooks:
             if not (vma.checking() and vma.manual_axes()):
                 return original(*args, **params)
             made = _outputs_of(local.get("flat_out_avals"), len(out_avals))
-            if not registered:
-                if any(made.let_through):
-                    raise _errors.MissingRuleError(_errors.missing_rule_message(
-                        kernel_name(params), vma.manual_axes(), _common.JAX_VERSION,
-                        jax_error="an out_shape leaf without manual_axis_type was let through for a "
-                                  "body whose rule has since been removed",
-                    ))
-                return original(*args, **params)
             num_user = len(local.get("flat_args", args))
+            if not registered:
+                found = _infer_mpmd(params, args) if _modes.inferring() else None
+                if not isinstance(found, Registration):
+                    if any(made.let_through):
+                        name = kernel_name(params)
+                        raise _errors.MissingRuleError(_errors.missing_rule_message(
+                            name, vma.manual_axes(), _common.JAX_VERSION,
+                            jax_error="pl.kernel refuses an out_shape leaf without manual_axis_type "
+                                      "under check_vma (reprules let it through for a body with a "
+                                      "rule, or under reprules.inference(), when the kernel was built)",
+                            inference="" if found is None else infer.refusal_text(
+                                found, name, vma.manual_axes(), _common.JAX_VERSION),
+                        ))
+                    return original(*args, **params)
+                registered = [(None, found)]
+                _remember_inferred(params.get("jaxprs", ()), found)
+                num_user = len(args)  # a derived rule is given every operand, captured ones too
             user, rest = args[:num_user], args[num_user:]
             in_vary = self._in_varying(user)
             decision = self._agreed(registered, len(fns), in_vary, len(out_avals))
             reg = registered[0][1]
+            if isinstance(reg.rule, infer.InferredRule):
+                kept = [h or (not let and bool(self.field.varying(a)))
+                        for a, h, let in zip(out_avals, made.honoured, made.let_through)]
+                self._check_annotations(reg, out_avals, decision.outputs, kept)
             cast = list(user)
             if decision.inputs is not None:
                 for i, (x, now, target) in enumerate(zip(user, in_vary, decision.inputs)):
@@ -603,6 +663,15 @@ class _Hooks:
 
         return bind
 
+    def _check_annotations(self, reg: Registration, out_avals: Sequence[Any],
+                           derived: Sequence[frozenset[str]], kept: Sequence[bool]) -> None:
+        """Under inference, an out_shape annotated by hand (kept as JAX typed it) must not
+        claim an output replicated over an axis the body shows it depends on."""
+        for i, (aval, needed, keep) in enumerate(zip(out_avals, derived, kept)):
+            missing = needed - self.field.varying(aval)
+            if keep and missing:
+                raise _errors.RuleError(_annotation_message(reg.name, i, missing, needed))
+
     def _agreed(self, registered: list[tuple[Any, Registration]], num_bodies: int,
                 in_vary: tuple[frozenset[str], ...], num_out: int) -> Decision:
         """The decision of every registered body, which must agree (MPMD)."""
@@ -613,6 +682,107 @@ class _Hooks:
         if any(d != first for _, d in decisions[1:]):
             raise _errors.RuleError(_mpmd_message(decisions, num_bodies, vma.manual_axes()))
         return first
+
+
+def _infer_mpmd(params: dict[str, Any], args: Sequence[Any]) -> Registration | infer.Refusal:
+    """The rule derived from the bodies of an ``mpmd_map`` made by ``pl.kernel`` (0.10+).
+
+    Each body takes the call's operands (the user's, then the refs it captured),
+    the outputs, then its scratch buffers. An operand that is a ``Ref`` is the
+    caller's own memory; any other is copied into the kernel."""
+    jaxprs = tuple(params.get("jaxprs", ()))
+    num_in, num_out = len(args), len(params.get("out_avals", ()))
+    is_ref = tuple(_is_ref(a) for a in args)
+    aliases = {int(o): int(i) for i, o in dict(params.get("input_output_aliases") or {}).items()}
+
+    def derive() -> infer.InferredRule | infer.Refusal:
+        if not jaxprs:
+            return infer.Refusal("mpmd_map", "has no body jaxpr reprules can read", "")
+        num_scratch = len(jaxprs[0].invars) - num_in - num_out
+        roles = [("ref" if r else "in", i) for i, r in enumerate(is_ref)]
+        roles += [("out", j) for j in range(num_out)] + [("scratch", 0)] * max(num_scratch, 0)
+        return infer.for_kernel_bodies(jaxprs, roles, num_in, num_out, aliases)
+
+    key = ("mpmd_map", is_ref, num_out, tuple(sorted(aliases.items())))
+    return infer.kernel_registration(jaxprs, key, kernel_name(params), derive)
+
+
+def _annotation_message(name: str, index: int, missing: frozenset[str], needed: frozenset[str]) -> str:
+    axes = vma.manual_axes()
+    return (
+        f"The out_shape of pl.kernel body {name!r} annotates output {index} as replicated over "
+        f"{_errors.fmt_axes(missing)}, but its body (analysed by reprules.inference()) makes it "
+        f"depend on inputs that vary over {_errors.fmt_axes(missing)} (mesh axes "
+        f"{_errors.fmt_axes(axes)}, JAX {_common.JAX_VERSION}).\n"
+        "Why: JAX believes the annotation, so per-device values would be treated as replicated: "
+        "out_specs that drop the axis pass, and a gradient misses its psum.\n"
+        f"Fix: annotate the output as varying over {_errors.fmt_axes(needed)} (or leave it "
+        "unannotated and let inference type it); if the annotation comes from a library, cast the "
+        "input it derives its type from up first, e.g. "
+        f"jax.lax.pcast(w, {tuple(sorted(missing))!r}, to='varying')."
+    )
+
+
+# Set while reprules traces a pl.kernel body itself (0.8 - 0.9 inference): its hooks stand aside.
+_trialing: contextvars.ContextVar[bool] = contextvars.ContextVar("reprules_kernel_trial", default=False)
+
+
+def _infer_kernel(local: dict[str, Any], num_in: int, num_out: int) -> Registration | infer.Refusal:
+    """The rule derived for a 0.8 - 0.9 ``pl.kernel`` call, from the frame of JAX's closure.
+
+    JAX makes the output refs before it traces the body, and types the outputs by
+    them, so the body is traced here first, as JAX would trace it (the same
+    ``_make_kernel``, on the operands' shapes, with checking off: only the
+    dataflow is read), and its ``core_map`` body is analysed."""
+    from jax._src import config
+    from jax._src.pallas import helpers
+
+    from reprules._registry import kernel_name as name_of
+
+    body = local.get("body")
+    name = name_of(body)
+    avals = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype),
+                                   tuple(local.get("operands", ())))
+    token = _trialing.set(True)
+    try:
+        made = helpers._make_kernel(
+            body, local.get("out_shape", ()), local.get("mesh"),
+            scratch_shapes=local.get("scratch_shapes", ()), name=local.get("name"),
+            **(local.get("mesh_kwargs") or {}),
+        )
+        with config._check_vma(False):
+            closed = jax.make_jaxpr(made)(*avals)
+    except Exception as err:  # noqa: BLE001 - the real trace will raise it again, or not
+        return infer.Refusal("pl.kernel", f"could not be traced by reprules ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''})", "")
+    finally:
+        _trialing.reset(token)
+    jaxpr = closed.jaxpr
+    while len(jaxpr.eqns) == 1 and jaxpr.eqns[0].primitive.name in ("pjit", "jit"):
+        jaxpr = jaxpr.eqns[0].params["jaxpr"].jaxpr
+    roles: dict[Any, tuple[str, int]] = {}
+    outs = 0
+    core_maps = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("new_ref", "mutable_array"):
+            source = eqn.invars[0]
+            if source in jaxpr.invars:
+                roles[eqn.outvars[0]] = ("in", jaxpr.invars.index(source))
+            else:
+                roles[eqn.outvars[0]] = ("out", outs)
+                outs += 1
+        elif eqn.primitive.name == "core_map":
+            core_maps.append(eqn)
+    if len(core_maps) != 1 or outs != num_out or len(jaxpr.invars) != num_in:
+        return infer.Refusal("pl.kernel", "was traced by reprules into a program it does not "
+                             "recognise (one core_map over the operand and output refs)", "")
+    (eqn,) = core_maps
+    if eqn.params["jaxpr"].invars or any(v not in roles for v in eqn.invars):
+        return infer.Refusal("pl.kernel", "closes over values from outside the kernel (pass them "
+                             "as operands), which inference does not track", "")
+    derived = infer.for_kernel_bodies(
+        (eqn.params["jaxpr"],), [roles[v] for v in eqn.invars], num_in, num_out, {})
+    return infer.kernel_registration((eqn.params["jaxpr"],), "core_map", name, lambda: derived)
 
 
 def _forget_outputs(key: int, avals: tuple[Any, ...]) -> None:

@@ -114,7 +114,10 @@ _LOCAL_MODULES = (
     "jax._src.lax.fft",
     "jax._src.lax.linalg",
     "jax._src.lax.ann",
-    "jax._src.prng",
+    "jax._src.prng",  # <= 0.9; from 0.10 the next three
+    "jax._src.random.prng",
+    "jax._src.random.threefry2x32",
+    "jax._src.random.core",  # random_gamma, random_clone
     "jax._src.ad_util",
 )
 # ... minus those that read per-device state or whose meaning reprules has not checked.
@@ -237,15 +240,17 @@ def _tables() -> dict[str, dict[Any, tuple[Any, ...]]]:
         collectives = {v: () for v in vars(parallel).values() if isinstance(v, core.Primitive)}
     except ImportError:  # pragma: no cover - present on every supported JAX
         pass
-    if isinstance(getattr(core, "pvary_p", None), core.Primitive):
-        collectives[core.pvary_p] = ()
+    casts = _resolve((("jax._src.pjit", "reshard_p"),))  # 0.10+: checked per equation
+    if isinstance(getattr(core, "pvary_p", None), core.Primitive):  # 0.6 - 0.9
+        casts[core.pvary_p] = ()
     identity = _resolve(_IDENTITY)
     return {
         "local": local,
         "reads": _resolve(_READS),
         "remote_capable": _resolve(_REMOTE_CAPABLE),
         "identity": identity,
-        "collectives": {p: () for p in collectives if p not in identity},
+        "collectives": {p: () for p in collectives if p not in identity and p not in casts},
+        "casts": casts,
         "barrier": _resolve(_BARRIER),
         "callbacks": _resolve(_CALLBACKS),
         "higher_order": _resolve((
@@ -359,6 +364,9 @@ class _Analysis:
         if prim in t["identity"]:
             raise _refuse(eqn, "reads the device's identity (its index on a mesh axis), so its "
                                "outputs can differ between devices with equal inputs")
+        if prim in t["casts"] and not _is_type_cast(eqn):
+            raise _refuse(eqn, "changes a value's sharding over mesh axes that are not manual, "
+                               "which can move data between devices")
         if prim in t["collectives"]:
             raise _refuse(eqn, "communicates with other devices (a collective)")
         if prim in t["barrier"]:
@@ -367,7 +375,7 @@ class _Analysis:
             raise _refuse(eqn, "calls back to the host, whose result reprules cannot see")
         if prim in t["remote_capable"]:
             self.check_no_device_id(eqn, t["remote_capable"][prim][0])
-        elif prim not in t["local"]:
+        elif prim not in t["local"] and prim not in t["casts"]:
             raise _refuse(eqn, "is not a primitive reprules knows to be local (it could "
                                "communicate or read the device's identity)")
         for value in _nested_jaxprs(eqn.params):  # e.g. a reduction's computation
@@ -502,6 +510,24 @@ class _Analysis:
         return consts, carry, xs
 
 
+def _is_type_cast(eqn: Any) -> bool:
+    """Whether a ``pvary`` or ``reshard`` equation only changes the type of a value
+    (which manual axes it is said to vary over), never the value: ``pvary``
+    (0.6 - 0.9), and ``reshard`` to a mesh whose axes are all manual with a spec
+    naming none (how JAX 0.10+ casts an operand up where types mix under
+    checking, e.g. in a kernel body reading a replicated operand)."""
+    if eqn.primitive.name == "pvary":
+        return True
+    target = eqn.params.get("dst_sharding")
+    mesh, spec = getattr(target, "mesh", None), getattr(target, "spec", None)
+    types = getattr(mesh, "axis_types", None)
+    if not types or spec is None:
+        return False
+    return (all(getattr(kind, "name", "") == "Manual" for kind in types)
+            and all(part is None for part in spec)
+            and not getattr(spec, "unreduced", None) and not getattr(spec, "reduced", None))
+
+
 def _nested_jaxprs(params: dict[str, Any]) -> list[Any]:
     found = []
     for value in params.values():
@@ -520,7 +546,10 @@ class _Summary:
 
 def summarize(jaxpr: Any) -> _Summary | Refusal:
     """What each ref invar of a kernel jaxpr holds at the end, in terms of the
-    initial contents of the kernel's invars (token ``k`` for invar ``k``)."""
+    initial contents of the kernel's invars (token ``k`` for invar ``k``).
+
+    A ``pl.kernel`` body traced by ``pl.core_map`` (JAX 0.8 - 0.9) takes its
+    refs as constvars: there the operands are its constvars, then its invars."""
     with _cache_lock:
         try:
             cached = _cache.get(jaxpr)
@@ -543,11 +572,11 @@ _cache_lock = threading.Lock()
 
 def _summarize(jaxpr: Any) -> _Summary | Refusal:
     analysis = _Analysis()
-    if getattr(jaxpr, "constvars", ()):
+    if getattr(jaxpr, "constvars", ()) and getattr(jaxpr, "invars", ()):
         return Refusal("pallas_call", "has a kernel jaxpr with constants, which inference does not track", "")
     env: dict[Any, Any] = {}
     ref_ids: list[int | None] = []
-    for k, v in enumerate(jaxpr.invars):
+    for k, v in enumerate([*jaxpr.constvars, *jaxpr.invars]):
         if _is_ref(v):
             rid = analysis.new_ref(v, frozenset({k}))
             env[v] = ("ref", rid)
@@ -651,6 +680,82 @@ def _no_kernel() -> None:
     return None
 
 
+# -- a pl.kernel body (core_map on JAX 0.8 - 0.9, mpmd_map from 0.10) ---------------------
+
+
+def for_kernel_bodies(jaxprs: Sequence[Any], roles: Sequence[tuple[str, int]], num_in: int,
+                      num_out: int, aliases: dict[int, int]) -> InferredRule | Refusal:
+    """The rule derived for a ``pl.kernel`` call whose bodies (one, or several for
+    MPMD: they all run, so an output depends on what any of them writes) take
+    their operands in one layout: ``roles[k]`` says what operand ``k`` of every
+    body is (its constvars, then its invars):
+
+    * ``("in", i)``: a copy of the call's operand ``i``, private to the kernel;
+    * ``("ref", i)``: operand ``i`` is a reference the caller sees after the
+      call (a ``Ref`` passed in or captured): its type was fixed outside, so the
+      body may only write into it what it already held;
+    * ``("out", j)``: output ``j``, starting as operand ``aliases[j]`` if aliased,
+      else undefined;
+    * ``("scratch", 0)``: memory of the kernel's own.
+
+    Output ``j`` then varies over the operands its final contents depend on.
+    """
+    depends: list[set[int]] = [set() for _ in range(num_out)]
+    for jaxpr in jaxprs:
+        summary = summarize(jaxpr)
+        if isinstance(summary, Refusal):
+            return summary
+        if len(summary.ref_depends) != len(roles):
+            return Refusal("pl.kernel", f"has a body with {len(summary.ref_depends)} operands where "
+                           f"reprules expects {len(roles)}, which inference does not track", "")
+        for k, ((role, index), tokens) in enumerate(zip(roles, summary.ref_depends)):
+            if role == "ref" and tokens is not None and tokens - {k}:
+                return Refusal("pl.kernel", f"writes into operand {index}, a reference that outlives "
+                               "the kernel and whose type JAX fixed outside it, which inference does "
+                               "not track", "")
+            if role != "out":
+                continue
+            if tokens is None:
+                return Refusal("pl.kernel", "has a body whose outputs are not references", "")
+            for t in tokens:
+                kind, source = roles[t]
+                if kind in ("in", "ref"):
+                    depends[index].add(source)
+                elif kind == "out" and source in aliases:
+                    depends[index].add(aliases[source])  # the output starts as its aliased input
+    return InferredRule(tuple(frozenset(d) for d in depends), num_in)
+
+
+def kernel_registration(jaxprs: Sequence[Any], key: Any, name: str,
+                        derive: Any) -> Registration | Refusal:
+    """A registration carrying the rule ``derive()`` gives for a ``pl.kernel`` call
+    (the same object for every call of its first body jaxpr with ``key``), or why none."""
+    first = jaxprs[0] if jaxprs else None
+    with _cache_lock:
+        try:
+            for known_key, known in _kernel_registrations.get(first, ()):
+                if known_key == key:
+                    return known
+        except TypeError:  # not weak-referenceable
+            pass
+    derived = derive()
+    result: Registration | Refusal = derived if isinstance(derived, Refusal) else Registration(
+        rule=derived, name=name, where=f"{name} (inferred)", kernel_ref=_no_kernel,
+        source="inferred from the kernel body",
+    )
+    with _cache_lock:
+        try:
+            _kernel_registrations.setdefault(first, []).append((key, result))
+        except TypeError:
+            pass
+    return result
+
+
+_kernel_registrations: weakref.WeakKeyDictionary[Any, list[tuple[Any, Registration | Refusal]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 _registrations: weakref.WeakKeyDictionary[Any, list[tuple[Any, Any, Registration | Refusal]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -661,8 +766,8 @@ def _uses_any(jaxpr: Any, skip: int) -> bool:
     wanted = set(jaxpr.invars[skip:])
     if not wanted:
         return False
-    used = {v for eqn in jaxpr.eqns for v in eqn.invars} | set(jaxpr.outvars)
-    return bool(wanted & used)
+    used = [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars)
+    return any(type(v).__name__ != "Literal" and v in wanted for v in used)  # Literals: unhashable (0.12)
 
 
 def refusal_text(refusal: Refusal, kernel: str, axes: Sequence[str], jax_version: str) -> str:
