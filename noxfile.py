@@ -4,6 +4,7 @@
     python -m nox -s "tests(jax='0.12.0.1')"                          # tests, one JAX version
     python -m nox -s tests_python                                     # tests, the other Pythons
     python -m nox -s typecheck                                        # mypy --strict, newest JAX
+    python -m nox -s docs                                             # the documentation site, warnings as errors
     python -m pip install --quiet nox uv && python -m nox -s main    # the main job
 """
 
@@ -12,7 +13,7 @@ import nox
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests", "tests_python", "typecheck"]
+nox.options.sessions = ["tests", "tests_python", "typecheck", "docs"]
 
 # Every minor release in the supported range (its newest patch), plus the oldest
 # supported one; regimes: rep (<=0.5), vma (0.6-0.9), mat (>=0.10).
@@ -55,6 +56,21 @@ def typecheck(session: nox.Session) -> None:
     """``mypy --strict`` on the package and on a user's view of it, against the newest JAX."""
     session.install(f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", "mypy>=1.10", "-e", ".[test]")
     session.run("mypy", "--strict", "reprules", "tests/typing/usage.py", *session.posargs)
+
+
+# The site's tools, pinned (mkdocstrings[python] brings mkdocstrings-python and griffe).
+DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocstrings[python]==1.0.8", "mkdocstrings-python==2.0.11", "mkdocs-material==9.8.1"]
+
+
+@nox.session(python="3.12")
+def docs(session: nox.Session) -> None:
+    """The documentation site (``.docs/``), built with warnings as errors into ``.docs/site/``.
+
+    Its code examples are run by ``tests/test_docs.py`` in the ``tests`` sessions.
+    """
+    session.install(f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", *DOCS_TOOLS, "-e", ".")
+    session.run("mkdocs", "build", "--strict", "--config-file", ".docs/mkdocs.yml", *session.posargs,
+                env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(python="3.12")

@@ -78,15 +78,12 @@ RuleResult = Union[Decision, Sequence[Set[str]]]
 
 
 class Rule(Protocol):
-    """The signature of a rule.
+    """The signature of a rule: ``rule(ctx, in_varying) -> RuleResult``.
 
-    Args:
-      ctx: The :class:`RuleContext` of this call.
-      in_varying: One frozenset of mesh-axis names per input.
-
-    Returns:
-      A :class:`Decision`, or simply a sequence of one set per output (inputs
-      are then passed as they are).
+    ``ctx`` is the :class:`RuleContext` of this call and ``in_varying`` holds
+    one frozenset of mesh-axis names per input. A rule returns a
+    :class:`Decision`, or simply a sequence of one set per output (inputs are
+    then passed as they are).
     """
 
     def __call__(self, ctx: RuleContext, in_varying: tuple[VaryingSet, ...], /) -> RuleResult: ...
