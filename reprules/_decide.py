@@ -1,7 +1,8 @@
 """Runs a rule for one call and checks its answer, whatever the JAX regime.
 
 The built-in rules (``rules.same()``, ``like(i)``, ``varying(...)``,
-``invariant(...)``) are frozen dataclasses whose answer depends only on the
+``invariant(...)``), and the rules ``reprules.inference()`` derives from kernel
+bodies (registered through :func:`register_pure_rule`), are frozen dataclasses whose answer depends only on the
 input varying sets, the manual mesh axes and the input and output counts, so
 their validated decisions are cached by exactly that key (a bounded LRU; it
 holds no kernel, so it keeps nothing alive). A rule that raises is asked again
@@ -26,6 +27,15 @@ _PURE_RULES: tuple[type, ...] = (rules.same, rules.like, rules.varying, rules.in
 _cache: collections.OrderedDict[Hashable, Decision] = collections.OrderedDict()
 _cache_lock = threading.Lock()
 _stats = {"hits": 0, "misses": 0}
+
+
+def register_pure_rule(rule_type: type) -> None:
+    """Lets :func:`decide` cache the decisions of rules of ``rule_type``: hashable,
+    and answering from the input varying sets, mesh axes and counts alone (the
+    shim registers its rules derived from kernel bodies this way)."""
+    global _PURE_RULES
+    if rule_type not in _PURE_RULES:
+        _PURE_RULES = (*_PURE_RULES, rule_type)
 
 
 def cache_info() -> dict[str, int]:

@@ -260,6 +260,18 @@ def test_each_kernel_body_is_analysed_once(mesh, monkeypatch):
     assert len(calls) == len({id(j) for j in calls})  # never the same jaxpr twice
 
 
+def test_inferred_decisions_join_the_decision_cache(mesh):
+    from reprules import _decide
+
+    _decide.cache_clear()
+    x = put(randn(0, (8, 16)), mesh, P("data", None))
+    with reprules.inference():
+        for _ in range(2):  # two programs, two kernel bodies, one derived rule
+            jax.make_jaxpr(shard_map(lambda x: fresh_copy(x), mesh, P("data", None), P("data", None)))(x)
+    info = _decide.cache_info()
+    assert info["misses"] == 1 and info["hits"] >= 1 and info["size"] == 1  # rep asks twice per trace
+
+
 def test_verify_checks_inferred_rules(mesh, monkeypatch):
     from reprules._shim import infer
 

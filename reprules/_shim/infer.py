@@ -37,6 +37,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from reprules import _decide
 from reprules._errors import fmt_axes
 from reprules._registry import Registration
 from reprules.rules import Decision, RuleContext, VaryingSet
@@ -93,6 +94,9 @@ class InferredRule:
     def __repr__(self) -> str:
         parts = [f"out{i} <- {sorted(d) if d else 'none'}" for i, d in enumerate(self.depends_on)]
         return f"inferred({'; '.join(parts)})"
+
+
+_decide.register_pure_rule(InferredRule)  # its decisions join the bounded decision cache
 
 
 def rule_operands_start(reg: Any, first_user: int) -> int:
