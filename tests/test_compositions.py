@@ -113,20 +113,7 @@ def _losses(compose, mesh, t):
     return (lambda x, w: (sharded(x, w) * t).sum()), (lambda x, w: (reference(x, w) * t).sum())
 
 
-REP_REGIME_GAPS = {  # JAX's own check_rep rules, not the kernel's (issue 10, item 4)
-    "cond": "JAX <= 0.5 has no usable check_rep rule for cond ('No replication rule for cond' on "
-    "0.4.28, 'branches of cond produced mismatched replication types' on 0.4.38-0.5.3)",
-    "switch": "as cond: switch is a cond with an index",
-}
-
-
-def _case(name):
-    if not NEW_SHARD_MAP and name in REP_REGIME_GAPS:
-        return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=REP_REGIME_GAPS[name]))
-    return name
-
-
-@pytest.mark.parametrize("name", [_case(n) for n in COMPOSITIONS])
+@pytest.mark.parametrize("name", list(COMPOSITIONS))  # cond/switch on JAX <= 0.5: tests/test_rep_gaps.py
 def test_composition_values_gradients_and_collectives(name):
     reprules.replication_rule()(mul_kernel)
     mesh, x, w, t = _data()

@@ -139,6 +139,10 @@ PROGRAMS = [  # (name, factory, check)
 ]
 
 
+GAP_REFERENCES = {"in_cond": lambda x, w: x * w}  # the programs JAX <= 0.5 alone refuses
+REP_GAPS = r"No replication rule for (cond|while|pmax|pmin)|branches of cond produced mismatched replication types"
+
+
 def _normalise(text):
     text = text.split("\n--------------------\n")[0]  # JAX's traceback-filtering note
     return re.sub(r"0x[0-9a-f]+", "0x…", text)
@@ -186,6 +190,16 @@ def test_custom_vjp_without_registered_kernels_is_untouched(name, factory, check
     alone = _outcome(factory, check, vjp3)
     _activate_elsewhere()
     active = _outcome(factory, check, vjp3)
+    if alone[0] == "error" and active[0] == "ok" and re.search(REP_GAPS, alone[2]):
+        # JAX <= 0.5's own missing check_rep rules, which reprules fills while
+        # active (tests/test_rep_gaps.py): the gradient is the unsharded one.
+        assert name in GAP_REFERENCES, f"{name}: JAX alone refused it, reprules ran it: add its reference"
+        x, w, t = randn(0, (16, 32)), randn(1, (1, 32)), randn(2, (16, 32))
+        ref = GAP_REFERENCES[name]
+        expected = jax.grad(lambda x, w: (ref(x, w) * t).sum(), argnums=(0, 1))(x, w)
+        for a, b in zip(active[3], expected):
+            np.testing.assert_allclose(a, np.asarray(b), rtol=1e-4, atol=1e-4)
+        return
     assert alone[0] == active[0], f"{name}: JAX alone gave {alone[:3]}, with reprules {active[:3]}"
     if alone[0] == "error" and issubclass(active[1], reprules.MissingRuleError):
         # A rule-less kernel under checking: reprules' MissingRuleError is a

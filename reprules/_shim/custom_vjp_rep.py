@@ -87,7 +87,7 @@ def _aval(x: Any) -> Any:
     from jax._src import core
 
     try:
-        return core.get_aval(x)
+        return core.get_aval(x)  # type: ignore[attr-defined]  # JAX <= 0.5: in jax._src.core
     except TypeError:
         return None
 
@@ -155,11 +155,12 @@ def _checked(bwd: Any, mesh: Any, reps_dst: Sequence[set[str]]) -> Any:
 
     if not wrapped:
         return checked
-    debug = getattr(bwd, "debug_info", None)
+    debug: Any = getattr(bwd, "debug_info", None)
+    wrap: Any = lu.wrap_init
     try:
-        return lu.wrap_init(checked, debug_info=debug)
+        return wrap(checked, debug_info=debug)
     except TypeError:  # 0.4.36 - 0.4.38: no debug_info keyword
-        return lu.wrap_init(checked)
+        return wrap(checked)
 
 
 def _rep_of(x: Any, mesh: Any) -> set[str]:
@@ -194,7 +195,8 @@ def _check(frame: _Frame, watch: _common.Watch, run: Callable[..., Any], args: S
         if bad:
             index = _dynamic_index(frame.leaf_counts, k)
             primal = call.primal_types[index] if call.primal_types and index < len(call.primal_types) else None
-            leaf = jax.tree_util.tree_leaves(primal)[0] if primal is not None and jax.tree_util.tree_leaves(primal) else None
+            leaves = jax.tree_util.tree_leaves(primal) if primal is not None else []
+            leaf: Any = leaves[0] if leaves else None
             raise _errors.CotangentError(
                 _errors.mixed_cotangent_message(
                     call.name, custom_vjp._input_name(call, index),

@@ -20,7 +20,7 @@ from reprules import _errors, _modes
 from reprules._decide import decide
 from reprules._registry import Registration
 from reprules.rules import Decision, VaryingSet
-from reprules._shim import _common, _verify, custom_vjp_rep, infer
+from reprules._shim import _common, _verify, custom_vjp_rep, infer, rep_gaps
 
 NAME = "rep"
 VERSIONS = "0.4.28 - 0.5.x"
@@ -161,3 +161,4 @@ def install(patches: _common.Patches) -> None:
         attach(ffi, patches)
     _common.install_pallas_hooks(patches)  # rules dispatch by kernel jaxpr: nothing to apply at bind
     custom_vjp_rep.install(patches)  # mixed cotangents JAX would over-count: refused
+    rep_gaps.install(patches)  # cond, while, pmax: JAX's own missing rules
