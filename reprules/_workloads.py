@@ -257,6 +257,77 @@ DEFAULT_CASES: tuple[Case, ...] = (
 )
 
 
+# --- 4. a decoder-only transformer: Pallas matmul, layer norm and attention kernels -------
+#
+# Not in DEFAULT_CASES (24 layers: about a minute to trace and compile on two CPU
+# cores); selected by name (CASES), or audited as a target, checking off and on:
+# `reprules audit reprules._workloads:transformer_target` (`:transformer_scan_target`).
+
+
+def _transformer_config(scan: bool) -> Any:
+    from reprules import _transformer
+
+    return _transformer.Config(scan=scan)
+
+
+def _transformer_build(scan: bool) -> Callable[[Any, bool], Built]:
+    def build(mesh: Any, check: bool) -> Built:
+        from reprules import _transformer
+
+        step, args = _transformer.build(mesh, "reprules" if check else "off", _transformer_config(scan))
+        return Built(step, args)
+
+    return build
+
+
+def _transformer_reference(scan: bool) -> Callable[[], Any]:
+    def reference() -> Any:
+        from reprules import _transformer
+
+        return _transformer.reference_grads(_transformer_config(scan))
+
+    return reference
+
+
+def _transformer_kernels() -> Sequence[Callable[..., Any]]:
+    from reprules import _transformer
+
+    return _transformer.kernels()
+
+
+_TRANSFORMER_TITLE = ("decoder, {} layers{}, Pallas matmul/layer norm/attention kernels (interpret=True) under "
+                      "custom_vjp; heads and MLP on 'model', batch on 'data', a shard_map per sublayer")
+
+EXTRA_CASES: tuple[Case, ...] = (
+    Case("transformer", _TRANSFORMER_TITLE.format(24, ""),
+         _transformer_build(False), _transformer_reference(False), _transformer_kernels),
+    Case("transformer_scan", _TRANSFORMER_TITLE.format(24, " under jax.lax.scan"),
+         _transformer_build(True), _transformer_reference(True), _transformer_kernels),
+)
+
+CASES: dict[str, Case] = {c.name: c for c in DEFAULT_CASES + EXTRA_CASES}
+"""Every workload by name: the default ones and the transformer ones."""
+
+
+def transformer_target(check: bool = True, scan: bool = False) -> Mapping[str, Any]:
+    """The transformer step in the ``module:callable`` protocol, checking on (rules
+    registered) or off: ``reprules audit reprules._workloads:transformer_target``
+    audits both side by side."""
+    import reprules
+
+    if check:
+        for kernel in _transformer_kernels():
+            reprules.replication_rule()(kernel)
+    case = CASES["transformer_scan" if scan else "transformer"]
+    built = case.build(make_mesh(), check)
+    return {"step": built.step, "args": built.args, "name": case.name, "reference": case.reference}
+
+
+def transformer_scan_target(check: bool = True) -> Mapping[str, Any]:
+    """:func:`transformer_target` with the layers under ``jax.lax.scan``."""
+    return transformer_target(check, scan=True)
+
+
 # --- user targets ---------------------------------------------------------------------
 
 

@@ -66,8 +66,12 @@ def register_rules() -> None:
     from helpers import copy_kernel
     from reprules._workloads import matmul_kernel
 
+    from reprules import _transformer
+
     reprules.replication_rule()(copy_kernel)
-    reprules.replication_rule()(matmul_kernel)
+    for kernel in _transformer.kernels():  # the matmul kernel among them
+        reprules.replication_rule()(kernel)
+    assert matmul_kernel in _transformer.kernels()
 
 
 def randn(seed: int, shape: tuple[int, ...], scale: float = 1.0) -> Any:
@@ -154,7 +158,40 @@ def workloads(mesh: Any, place: Callable[[Any, Any], Any]) -> dict[str, Step]:
         lambda: jax.value_and_grad(ref_loss, argnums=(0, 1, 2))(w1, w2, x),
         # forward: y over model, loss over data; backward: dW1, dW2 over data, dx over model.
         psum_axes=tuple(sorted([("data",)] * 3 + [("model",)] * 2)))
+
+    # 4. the transformer of reprules._transformer (TRANSFORMER_LAYERS layers, a shard_map
+    # per sublayer): Pallas matmul, layer norm and attention kernels under custom_vjp.
+    steps["transformer"] = transformer_step(mesh, place)
     return steps
+
+
+TRANSFORMER_LAYERS = 2
+
+
+def transformer_config() -> Any:
+    from reprules import _transformer
+
+    return _transformer.Config(layers=TRANSFORMER_LAYERS)
+
+
+def transformer_step(mesh: Any, place: Callable[[Any, Any], Any]) -> Step:
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from reprules import _transformer
+
+    cfg = transformer_config()
+    params, x, t = _transformer.host_data(cfg)
+    placed = jax.tree_util.tree_map(place, params, _transformer.param_specs(cfg))
+    act = P(*_transformer.ACT)
+    step = jax.value_and_grad(_transformer.loss_fn(_transformer._forward(cfg, mesh, "reprules")))
+    layers = cfg.layers
+    return Step(
+        step, (placed, place(x, act), place(t, act)),
+        lambda: jax.value_and_grad(_transformer.reference_loss(cfg))(params, x, t),
+        # over model: 2 forward psums and 2 backward ones (layer norm outputs) a layer; over
+        # data: 4 weight and 4 layer-norm gradients a layer, the final layer norm's 2.
+        psum_axes=tuple(sorted([("model",)] * (4 * layers) + [("data",)] * (8 * layers + 2))))
 
 
 def make_mesh(devices: Any) -> Any:
@@ -189,6 +226,9 @@ def summarize(step: Step) -> dict[str, Any]:
              "defensive": c.defensive, "origin": c.origin, "describe": c.describe()}
             for c in report.collectives],
         "psum_axes": [list(a) for a in psum_axes_of(jax.make_jaxpr(step.step)(*step.args))],
+        "bytes": report.bytes(), "defensive_bytes": report.bytes(defensive=True),
+        # the program's own collectives, lowered (XLA may add or combine some in compiled HLO)
+        "jaxpr_bytes": sum(c.bytes for c in report.collectives if {"jaxpr", "stablehlo"} <= set(c.levels)),
         "table": report.table(),
     }
 
@@ -227,7 +267,9 @@ def run_steps(steps: dict[str, Step]) -> tuple[dict[str, Any], dict[str, Any]]:
             arrays[f"{name}.mask{i}"] = m
         ran = time.monotonic()
         summaries[name] = summarize(step)
-        print(f"step {name}: run {ran - start:.1f} s, report {time.monotonic() - ran:.1f} s", flush=True)
+        print(f"step {name}: run {ran - start:.1f} s, report {time.monotonic() - ran:.1f} s, "
+              f"{summaries[name]['bytes']} collective bytes per step on each device of this process "
+              f"({summaries[name]['defensive_bytes']} defensive)", flush=True)
     return arrays, summaries
 
 

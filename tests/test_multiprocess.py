@@ -4,8 +4,9 @@ The test starts two ``tests/_multiprocess_worker.py`` processes on a localhost
 coordinator (``jax.distributed.initialize``, gloo CPU collectives), each with
 4 fake CPU devices, so the (4, 2) ``("data", "model")`` mesh spans both
 processes (``data`` crosses the process boundary). Each runs, with rules
-registered and checking on: the #21855 model, a data-parallel MLP and a
-tensor-parallel MLP, all with Pallas kernels under ``custom_vjp``. The losses
+registered and checking on: the #21855 model, a data-parallel MLP, a
+tensor-parallel MLP and a 2-layer transformer (``reprules._transformer``), all
+with Pallas kernels under ``custom_vjp``. The losses
 and gradients must equal those of the same steps on one process with 8 devices
 (computed here) and the unsharded reference, and ``reprules.testing`` must find
 no defensive collective and exactly the needed psums.
@@ -29,7 +30,7 @@ import pytest
 import _multiprocess_worker as worker
 import reprules
 from helpers import JAX_VERSION, copy_kernel
-from reprules._workloads import matmul_kernel
+from reprules import _transformer
 
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 4
@@ -42,7 +43,7 @@ pytestmark = pytest.mark.skipif(
     "than one local device per process (checked on 0.4.28; works from 0.5.3)",
 )
 
-STEPS = ("issue21855", "dp_mlp", "tp_mlp")
+STEPS = ("issue21855", "dp_mlp", "tp_mlp", "transformer")
 
 
 def _free_port() -> int:
@@ -125,7 +126,8 @@ def runs(tmp_path_factory):
                             step.reference(), step.psum_axes)
     finally:
         reprules.unregister(copy_kernel)
-        reprules.unregister(matmul_kernel)
+        for kernel in _transformer.kernels():
+            reprules.unregister(kernel)
     return processes, single
 
 
@@ -183,6 +185,20 @@ def test_only_the_needed_collectives(runs, name):
         for c in step["collectives"]:
             if "jaxpr" in c["levels"]:
                 assert c["levels"] == ["jaxpr", "stablehlo", "hlo"], c["describe"]
+
+
+def test_transformer_bytes_per_process(runs):
+    """Each device of each process moves what the formula (reprules._scale) says one
+    device of the 8 needs: the program's all-reduces, nothing defensive (compiled HLO
+    adds the loss's 4-byte all-reduce, and JAX 0.5 an unmatched copy of one gradient's)."""
+    processes, _ = runs
+    mesh = dict(zip(worker.MESH_AXES, worker.MESH_SHAPE))
+    expected = _transformer.expected_bytes(worker.transformer_config(), mesh)
+    for i, (summary, _) in enumerate(processes):
+        step = summary["steps"]["transformer"]
+        assert (step["jaxpr_bytes"], step["defensive_bytes"]) == (expected.needed, 0), (
+            f"process {i}:\n" + step["table"])
+        assert step["bytes"] - step["jaxpr_bytes"] <= 4 * worker.transformer_config().d_model, step["table"]
 
 
 def test_check_off_run_shows_the_defensive_all_reduce(runs):
