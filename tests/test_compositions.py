@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import JAX_VERSION, NEW_SHARD_MAP, make_mesh, max_err, psum_axes, put, randn, shard_map
+from helpers import NEW_SHARD_MAP, make_mesh, max_err, psum_axes, put, randn, shard_map
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
@@ -126,14 +126,6 @@ def test_composition_values_gradients_and_collectives(name):
     assert axes and all(a == ("data",) for a in axes), axes  # never over 'model'
 
 
-JVP_GAP = pytest.mark.xfail(
-    (0, 7) <= JAX_VERSION < (0, 9), strict=True,
-    reason="issue 10: on JAX 0.7-0.8 the JVP of a Pallas kernel under check_vma fails inside the kernel "
-    "body ('Primitive mul requires varying manual axes to match')",
-)
-
-
-@JVP_GAP
 def test_forward_over_reverse():
     """A Hessian-vector product: jvp of the gradient (the bwd's kernels have JVPs)."""
     reprules.replication_rule()(mul_kernel)
@@ -146,7 +138,6 @@ def test_forward_over_reverse():
     assert max_err(hvp(x, w), expected) < 1e-3
 
 
-@JVP_GAP
 def test_jvp_of_a_kernel_without_custom_vjp():
     reprules.replication_rule()(mul_kernel)
     mesh, x, w, _ = _data()

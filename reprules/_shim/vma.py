@@ -341,6 +341,7 @@ class Regime:
         new_entry = dataclasses.replace(entry, rule=new_rule) if hasattr(entry, "rule") else new_rule
         patches.setitem(mlir._lowerings, prim, new_entry, label="jax._src.interpreters.mlir._lowerings[pallas_call]")
         custom_vjp.install(patches, field=self.field)
+        _install_kernel_jvp_fix(patches)
         _common.install_pallas_hooks(patches, self._bind_pallas, self._convert_out_shape)
         ffi = _common.ffi_opaque()
         if ffi is not None:
@@ -476,3 +477,28 @@ _regime = Regime(TypeField())
 install = _regime.install
 attach = _regime.attach
 install_strict = _regime.install_strict
+
+
+def _install_kernel_jvp_fix(patches: _common.Patches) -> None:
+    """JAX 0.7 - 0.8: the JVP of a ``pallas_call`` re-traces the kernel body
+    (``ad.jvp_jaxpr``) inside the ``shard_map``, where ``check_vma`` holds, and
+    the body's refs keep the varying axes of the operands *before* reprules
+    cast them up: ``Primitive mul requires varying manual axes to match``.
+    Types inside a kernel body are per block and never reach the program (the
+    call's output types come from the rule), so for a registered kernel the
+    body's JVP is traced with the check off, as JAX 0.9 effectively does."""
+    if _common.version_tuple()[:2] not in ((0, 7), (0, 8)):
+        return
+    from jax._src import config
+    from jax._src.interpreters import ad
+
+    prim = _common.pallas_call_p()
+    original = ad.primitive_jvps[prim]
+
+    def jvp(primals: Any, tangents: Any, **params: Any) -> Any:
+        if _common.registration_of(params) is None:
+            return original(primals, tangents, **params)
+        with config._check_vma(False):
+            return original(primals, tangents, **params)
+
+    patches.setitem(ad.primitive_jvps, prim, jvp, label="jax._src.interpreters.ad.primitive_jvps[pallas_call]")
