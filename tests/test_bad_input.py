@@ -242,9 +242,6 @@ def test_registering_a_primitive_rule_after_tracing_is_not_stale():
 # --- gaps found while writing these tests (library behaviour to fix) --------------------
 
 
-@pytest.mark.xfail(strict=True, raises=reprules.RuleError, reason=(
-    "a multiple-results primitive's rule is told num_outputs=1 (layout gives None, read as 1), so a "
-    "rule returning one set per output is refused; rules.same() works only because it follows ctx"))
 def test_per_output_rule_on_a_multiple_results_primitive():
     two_p = Primitive("bad_input_two")
     two_p.multiple_results = True

@@ -45,7 +45,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
     jax_check = sm._check_rules.get(op.prim)  # type: ignore[attr-defined]  # JAX <= 0.5 only
     jax_rewrite = sm._rewrite_rules.get(op.prim)  # type: ignore[attr-defined]  # JAX <= 0.5 only
 
-    def decide_eqn(mesh: Any, in_rep: tuple[Any, ...], params: dict[str, Any]
+    def decide_eqn(mesh: Any, in_rep: tuple[Any, ...], params: dict[str, Any], num_results: int | None = None
                    ) -> tuple[int, tuple[VaryingSet, ...], Decision, frozenset[str], Registration] | None:
         # Reps are sets of *mesh* axes (automatic ones included: nothing varies
         # over those); the rule sees only the manual axes.
@@ -57,8 +57,10 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
         first = infer.rule_operands_start(reg, first)
         # A rep of None marks a literal: replicated everywhere.
         in_vary = tuple(all_axes - r if r is not None else frozenset() for r in in_rep[first:])
-        # num_out None: a multiple-results primitive, whose count is unknown here.
-        ctx = _common.rule_context(reg, manual_axes(mesh), len(in_vary), 1 if num_out is None else num_out)
+        # num_out None: a multiple-results primitive, counted from the equation or its operands.
+        if num_out is None:
+            num_out = num_results if num_results is not None else _num_results(op.prim)
+        ctx = _common.rule_context(reg, manual_axes(mesh), len(in_vary), num_out)
         return first, in_vary, decide(reg, ctx, in_vary), all_axes, reg
 
     def missing(mesh: Any, params: dict[str, Any]) -> _errors.MissingRuleError:
@@ -94,7 +96,13 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
     def rewrite_rule(mesh: Any, in_rep: Any, /, *args: Any, **params: Any) -> Any:
         from jax.experimental.shard_map import pbroadcast  # type: ignore[attr-defined]  # JAX <= 0.5 only; not jax.lax.pbroadcast
 
-        decided = decide_eqn(mesh, tuple(in_rep), params)
+        count = None
+        if op.prim.multiple_results:
+            from jax._src import core
+
+            outs_avals, _ = op.prim.abstract_eval(*(core.get_aval(a) for a in args), **params)  # type: ignore[attr-defined]
+            count = len(outs_avals)
+        decided = decide_eqn(mesh, tuple(in_rep), params, count)
         if decided is None:
             if jax_rewrite is not None:
                 return jax_rewrite(mesh, in_rep, *args, **params)
@@ -117,6 +125,36 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
 
     patches.setitem(sm._check_rules, op.prim, check_rule)  # type: ignore[attr-defined]  # JAX <= 0.5 only
     patches.setitem(sm._rewrite_rules, op.prim, rewrite_rule)  # type: ignore[attr-defined]  # JAX <= 0.5 only
+
+
+def _num_results(prim: Any) -> int:
+    """The number of results of the ``prim`` equation whose check rule is
+    running: read from JAX's ``_check_rep`` (the equation ``e``) or eager
+    ``process_primitive`` (its ``tracers``), the two callers of check rules."""
+    import sys
+    from types import FrameType
+
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            break
+        local = frame.f_locals
+        eqn: Any = local.get("e")
+        if getattr(eqn, "primitive", None) is prim:
+            return len(eqn.outvars)
+        tracers: Any = local.get("tracers")
+        caller_prim: Any = local.get("prim")
+        if caller_prim is prim and tracers is not None:
+            outs, _ = caller_prim.abstract_eval(*(t.aval for t in tracers), **local.get("params", {}))
+            return len(outs)
+        frame = frame.f_back
+    raise _errors.UnsupportedJaxError(
+        f"reprules could not count the results of the multiple-results primitive {prim} in a "
+        f"check_rep rule (JAX {_common.JAX_VERSION}).\n"
+        "Why: JAX's check rules are told the operands' replication only; reprules reads the "
+        "equation from JAX's caller, which was not found.\n"
+        "Fix: please report this with the program; as a workaround give the primitive one result."
+    )
 
 
 def _jax_refusal(prim: Any) -> Exception:

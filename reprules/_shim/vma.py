@@ -297,8 +297,10 @@ class Regime:
             if reg is not None and checking() and manual_axes():
                 _common.note_registered_call()
                 first, num_out = op.layout(params, len(args))
+                if num_out is None:  # a multiple-results primitive: count from its abstract eval
+                    num_out = len(original_abstract_eval(*(jax.typeof(a) for a in args), **params)[0])
                 in_vary = tuple(field.varying(jax.typeof(a)) for a in args[first:])
-                decision = decide(reg, context(reg, len(in_vary), num_out or 1), in_vary)
+                decision = decide(reg, context(reg, len(in_vary), num_out), in_vary)
                 args = args[:first] + tuple(_cast_inputs(args[first:], in_vary, decision.inputs))
                 out = original_bind(*args, **params)
                 self._maybe_verify(reg, list(out) if prim.multiple_results else [out])
