@@ -122,12 +122,23 @@ def test_benchmark_smoke(tmp_path):
     """The benchmark runs end to end; its collective figures are right (timings are not checked)."""
     out_json = tmp_path / "bench.json"
     out = run([ROOT / "examples" / "benchmarks" / "bench.py", "--small", "--repeats", "2", "--warmup", "1",
-               "--lower-repeats", "1", "--lower-inner", "1", "--import-repeats", "1", "--out", out_json])
+               "--lower-repeats", "1", "--lower-inner", "1", "--import-repeats", "1", "--heavy-lower-repeats", "1",
+               "--workloads", "activation,tp_mlp,layer_norm,transformer", "--layers", "1", "--out", out_json])
     assert "collectives per step" in out and "targets (reported, not asserted)" in out, out
     results = json.loads(out_json.read_text())
     assert results["jax"] == jax.__version__ and results["devices"] == 8
     work = results["workloads"]
-    assert set(work) == {"activation", "tp_mlp", "layer_norm"}
+    assert set(work) == {"activation", "tp_mlp", "layer_norm", "transformer"}
+    # The transformer (1 layer): the formulas of reprules._scale equal the measured
+    # bytes, every variant's gradients equal the unsharded reference, inference as reprules.
+    formulas = next(t for t in results["targets"] if t["target"].startswith("reprules._scale formulas"))
+    assert formulas["met"] is True and set(formulas["value"]) == {"transformer"}, formulas
+    tf = work["transformer"]
+    assert tf["lower_config"] == {"rounds": 1, "best_of": 1}
+    assert max(tf["max_error"].values()) < 1e-5, tf["max_error"]
+    assert tf["memory"]["reprules"] is None or tf["memory"]["reprules"]["argument"] > 0
+    if "inference" in tf["variants"]:
+        assert tf["collectives"]["inference"]["bytes"] == tf["collectives"]["reprules"]["bytes"]
     if not HAS_FFI:
         assert "ffi_call" in work["activation"]["skipped"]
     for name, w in work.items():

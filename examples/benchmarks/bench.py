@@ -12,6 +12,16 @@ each workload:
 * ``tp_mlp``: the tensor-parallel MLP step of ``reprules audit``, its matmuls
   done by a Pallas kernel (``interpret=True``).
 * ``layer_norm``: JAX's own Pallas ``layer_norm`` op, ``x`` on ``data``.
+* ``transformer`` / ``transformer_scan`` (not run by default: minutes of
+  tracing and compiling on CPU): a decoder of 24 layers (``--layers``),
+  unrolled or under ``jax.lax.scan`` (``reprules._transformer``): Pallas matmul,
+  layer norm and attention kernels, each under ``custom_vjp`` with Pallas fwd
+  and bwd; heads and MLP on ``model``, batch on ``data``, a ``shard_map`` per
+  sublayer. ``transformer_1sm`` / ``transformer_scan_1sm``: one ``shard_map``
+  around all layers. Collectives inside the scan body are
+  counted once per layer; the bytes are also checked against the formulas of
+  ``reprules._scale``. Their trace+lower takes seconds: ``--heavy-lower-repeats``
+  rounds, best of 1.
 
 and for each variant:
 
@@ -23,14 +33,21 @@ and for each variant:
   ``jax.typeof(x)`` as the FFI result type, plus ``pvary``/``pcast`` casts).
   Possible on JAX >= 0.6 only, and only where the call site is the user's: not
   for ``layer_norm`` (its ``pallas_call``\\ s are inside JAX). Where JAX itself
-  rejects the annotated call, the reason is recorded instead.
+  rejects the annotated call, the reason is recorded instead (with
+  ``interpret=True``, JAX's HLO interpreter refuses varying outputs on every
+  JAX >= 0.6: so for the Pallas workloads).
+* ``inference``: checking on, no rules registered, traced under
+  ``reprules.inference()`` (rule inference, issue 9); recorded as unavailable
+  until reprules has it.
 
 it measures the collective bytes per step (per device, from
 ``reprules.testing.collectives``: defensive vs needed, and the analytical
-minimum of the needed bytes), the step time (rounds in which every variant
+minimum of the needed bytes), the compiled memory analysis (temp, argument
+and output bytes), the step time (rounds in which every variant
 runs once, in a rotating order; reported as the median and interquartile
 range of the per-round ratios between variants), and the trace+lower time
-(``jax.jit(step).lower`` of a freshly built step, best of 3 per round;
+(``jax.jit(step).lower`` of a freshly built step, best of 3 per round, wall
+and CPU time of this process;
 reprules with its rules registered, the other variants with nothing
 registered, i.e. JAX unpatched). It also measures ``import reprules`` on top
 of ``import jax`` in fresh interpreters. It prints tables and writes JSON; it
@@ -41,6 +58,7 @@ Run (8 fake CPU devices are set up by the script itself):
 
     python examples/benchmarks/bench.py --out bench.json
     python examples/benchmarks/bench.py --small --repeats 2 --lower-repeats 1 --lower-inner 1 --import-repeats 1
+    python examples/benchmarks/bench.py --workloads transformer,transformer_scan --repeats 20
 """
 
 from __future__ import annotations
@@ -73,9 +91,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import reprules  # noqa: E402
 from reprules import rules  # noqa: E402
 
-VARIANTS = ("off", "reprules", "hand")
+VARIANTS = ("off", "reprules", "hand", "inference")
+RATIOS = (("reprules", "off"), ("reprules", "hand"), ("inference", "off"), ("inference", "reprules"))
 MESH_SHAPE, MESH_AXES = (4, 2), ("data", "model")
-TARGETS = {"step_vs_off": 0.90, "step_vs_hand": 0.02, "lower_vs_hand": 0.05, "import_ms": 50.0}
+TARGETS = {"step_vs_off": 0.90, "step_vs_hand": 0.02, "lower_vs_hand": 0.05, "lower_vs_off": 1.03,
+           "import_ms": 50.0}
+TRANSFORMERS = ("transformer", "transformer_scan", "transformer_1sm", "transformer_scan_1sm")
 
 # --- JAX version branches (public API only) -----------------------------------------------
 
@@ -146,6 +167,10 @@ class Workload:
     minimum_text: str
     unavailable: Callable[[], str | None] = lambda: None
     hand_unavailable: Callable[[], str | None] = lambda: HAND_UNAVAILABLE
+    heavy: bool = False  # trace+lower takes seconds: fewer rounds (--heavy-lower-repeats), best of 1
+    repeat: Callable[[Any], int] | None = None  # times a collective runs per step (scan bodies: L)
+    expected: Any = None  # reprules._scale.Bytes: the formulas' figures, checked against the measured ones
+    reference: Callable[[], Any] | None = None  # the unsharded result of the step (gradients)
 
 
 # 1. activation-heavy, opaque FFI kernels
@@ -319,7 +344,99 @@ def layer_norm_workload(small: bool) -> Workload:
             "the pallas_calls are inside JAX's layer_norm op: no call site to annotate"))
 
 
+# 4. a decoder-only transformer: Pallas matmul, layer norm and attention kernels
+
+
+def transformer_workload(small: bool, scan: bool = False, structure: str = "sublayer",
+                         layers: int | None = None) -> Workload:
+    """``reprules._transformer``: L decoder layers (24; 2 with --small), heads and MLP on
+    ``model``, batch on ``data``, every kernel under ``custom_vjp`` with Pallas fwd and bwd."""
+    from reprules import _transformer as model
+
+    cfg = model.Config(layers=layers or (2 if small else 24), scan=scan, shard_map=structure)
+    expected = model.expected_bytes(cfg, dict(zip(MESH_AXES, MESH_SHAPE)))
+    name = "transformer" + ("_scan" if scan else "") + ("" if structure == "sublayer" else "_1sm")
+
+    def in_scan_body(c: Any) -> int:  # a collective inside the scan over layers runs L times a step
+        return cfg.layers if "scan" in c.op_name.split("/") else 1
+
+    return Workload(
+        name=name, title=f"decoder: {cfg.describe()}",
+        build=lambda mesh, variant: model.make_step(mesh, variant, cfg),
+        args=lambda mesh: model.place(mesh, cfg), targets=model.kernels,
+        minimum=expected.needed,
+        minimum_text=(f"{4 * cfg.layers} activations over model (2 a layer forward, 2 backward), "
+                      "every weight gradient over data"),
+        hand_unavailable=model.hand_unavailable, heavy=True, repeat=in_scan_body if scan else None,
+        expected=expected, reference=lambda: model.reference_grads(cfg))
+
+
 # --- measuring ---------------------------------------------------------------------------------
+
+
+def inference_unavailable() -> str | None:
+    if hasattr(reprules, "inference"):
+        return None
+    return "reprules.inference() is not in this reprules yet (rule inference, issue 9)"
+
+
+@contextlib.contextmanager
+def variant_scope(w: Workload, variant: str) -> Any:
+    """What a variant traces under: reprules' rules registered, or rule inference on."""
+    if variant == "reprules":
+        register(w.targets())
+    try:
+        if variant == "inference":
+            with reprules.inference():  # type: ignore[attr-defined]  # issue 9: not there yet
+                yield
+        else:
+            yield
+    finally:
+        if variant == "reprules":
+            unregister(w.targets())
+
+
+def memory(compiled: Any) -> dict[str, int] | None:
+    """The compiled step's memory analysis (bytes per device), where JAX reports one."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001: not every backend/version has it
+        return None
+    if m is None:
+        return None
+    fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "generated_code_size_in_bytes")
+    out = {f.replace("_size_in_bytes", ""): int(getattr(m, f, 0) or 0) for f in fields}
+    # JAX 0.4 on CPU: zero buffers (only the code size), i.e. not reported
+    return out if out["temp"] or out["argument"] or out["output"] else None
+
+
+def collective_summary(report: Any, repeat: Callable[[Any], int] | None) -> dict[str, Any]:
+    """Counts and bytes per step: as compiled (``static``) and as executed (scan bodies x L);
+    collectives only in the jaxpr (dead code XLA never sees) are left out."""
+    times = repeat or (lambda c: 1)
+    cs = [c for c in report.collectives if c.levels != ("jaxpr",)]  # never lowered: dead code, not run
+    executed = {
+        "count": sum(times(c) for c in cs), "bytes": sum(c.bytes * times(c) for c in cs),
+        "defensive_count": sum(times(c) for c in cs if c.defensive),
+        "defensive_bytes": sum(c.bytes * times(c) for c in cs if c.defensive),
+        "needed_bytes": sum(c.bytes * times(c) for c in cs if not c.defensive),
+    }
+    # The program's own all-reduces (traced and lowered), what reprules._scale's formulas
+    # count; the rest are XLA's (e.g. JAX 0.6's SPMD partitioner resharding around a scan).
+    program = [c for c in cs if "jaxpr" in c.levels and "stablehlo" in c.levels]
+    executed["program"] = {
+        "count": sum(times(c) for c in program), "bytes": sum(c.bytes * times(c) for c in program),
+        "defensive_bytes": sum(c.bytes * times(c) for c in program if c.defensive),
+        "needed_bytes": sum(c.bytes * times(c) for c in program if not c.defensive),
+    }
+    executed["compiler_added_bytes"] = executed["bytes"] - executed["program"]["bytes"]
+    static = {"count": len(cs), "bytes": sum(c.bytes for c in cs),
+              "defensive_count": sum(1 for c in cs if c.defensive),
+              "defensive_bytes": sum(c.bytes for c in cs if c.defensive),
+              "needed_bytes": sum(c.bytes for c in cs if not c.defensive),
+              "not_lowered": len(report.collectives) - len(cs)}
+    return {**executed, "static": static, "lines": [c.describe() for c in cs]}
 
 
 def register(targets: Sequence[Any]) -> None:
@@ -373,45 +490,53 @@ def rotations(names: Sequence[str], r: int) -> list[str]:
 
 
 def measure(w: Workload, mesh: Any, repeats: int, warmup: int, lower_repeats: int,
-            lower_inner: int) -> dict[str, Any]:
+            lower_inner: int, heavy_lower_repeats: int) -> dict[str, Any]:
     result: dict[str, Any] = {"title": w.title, "minimum_needed_bytes": w.minimum, "minimum": w.minimum_text,
-                              "unavailable": {}, "collectives": {}}
+                              "unavailable": {}, "collectives": {}, "memory": {}}
     reason = w.unavailable()
     if reason:
         result["skipped"] = reason
         return result
     clear_rules()  # e.g. reprules' own pack registered layer_norm's kernels when JAX's op was imported
     args = w.args(mesh)
-    hand_reason = w.hand_unavailable()
-    variants = [v for v in VARIANTS if v != "hand" or hand_reason is None]
-    if hand_reason:
-        result["unavailable"]["hand"] = hand_reason
+    variants = []
+    for v in VARIANTS:
+        why = {"hand": w.hand_unavailable, "inference": inference_unavailable}.get(v, lambda: None)()
+        if why:
+            result["unavailable"][v] = why
+        else:
+            variants.append(v)
 
     # Compile each variant; reprules' with its rules registered, the others with JAX unpatched.
     compiled: dict[str, Any] = {}
     for v in list(variants):
-        if v == "reprules":
-            register(w.targets())
         try:
-            step = w.build(mesh, v)
-            compiled[v] = jax.jit(step).lower(*args).compile()
-            report = testing.collectives(w.build(mesh, v), *args)
+            with variant_scope(w, v):
+                t0 = time.perf_counter()
+                compiled[v] = jax.jit(w.build(mesh, v)).lower(*args).compile()
+                result.setdefault("first_compile_s", {})[v] = time.perf_counter() - t0
+                report = testing.collectives(w.build(mesh, v), *args)
         except Exception as err:  # noqa: BLE001: JAX rejects a hand-annotated call: record why
-            if v != "hand":
+            if v not in ("hand", "inference"):
                 raise
-            result["unavailable"]["hand"] = f"JAX rejects the hand-annotated call: {first_lines(err)}"
+            who = "JAX rejects the hand-annotated call" if v == "hand" else "inference failed"
+            result["unavailable"][v] = f"{who}: {first_lines(err)}"
             variants.remove(v)
             continue
-        finally:
-            if v == "reprules":
-                unregister(w.targets())
-        result["collectives"][v] = {
-            "count": len(report.collectives), "bytes": report.bytes(),
-            "defensive_count": len(report.defensive), "defensive_bytes": report.bytes(defensive=True),
-            "needed_bytes": report.bytes(defensive=False),
-            "lines": [c.describe() for c in report.collectives],
-        }
+        result["collectives"][v] = collective_summary(report, w.repeat)
+        result["memory"][v] = memory(compiled[v])
     result["variants"] = variants
+    if w.reference is not None:  # every variant's gradients against the unsharded reference
+        want = jax.tree_util.tree_leaves(w.reference())
+        result["max_error"] = {}
+        for v in variants:
+            got = jax.tree_util.tree_leaves(compiled[v](*args))
+            result["max_error"][v] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                                         for a, b in zip(got, want))
+    if w.expected is not None:
+        e = w.expected
+        result["expected"] = {"needed": e.needed, "off": e.off, "model_extra": e.model_extra,
+                              "flagged_defensive": e.flagged_defensive}
 
     # Step time: warm-up, then rounds in which every variant runs once, in a rotating order.
     for v in variants:
@@ -425,32 +550,38 @@ def measure(w: Workload, mesh: Any, repeats: int, warmup: int, lower_repeats: in
                 jax.block_until_ready(compiled[v](*args))
                 times[v].append(time.perf_counter() - t0)
     result["step_s"] = {v: stats(t) for v, t in times.items()}
-    result["step_ratio"] = {f"reprules/{v}": paired_ratio(times["reprules"], times[v]) for v in variants
-                            if v != "reprules"}
+    result["step_ratio"] = {f"{a}/{b}": paired_ratio(times[a], times[b]) for a, b in RATIOS
+                            if a in variants and b in variants}
 
     # Trace+lower: a freshly built step each time (no jit cache hit), best of `lower_inner`
-    # per round and variant; one warm-up round.
+    # per round and variant; one warm-up round. Wall time and this process's CPU time
+    # (less disturbed by other processes on a shared machine).
+    if w.heavy:
+        lower_repeats, lower_inner = min(lower_repeats, heavy_lower_repeats), 1
+    result["lower_config"] = {"rounds": lower_repeats, "best_of": lower_inner}
     lower: dict[str, list[float]] = {v: [] for v in variants}
+    lower_cpu: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(lower_repeats + 1):
         for v in rotations(variants, r):
-            if v == "reprules":
-                register(w.targets())
-            try:
-                best = float("inf")
+            with variant_scope(w, v):
+                best = best_cpu = float("inf")
                 for _ in range(lower_inner):
                     step = w.build(mesh, v)
                     with no_gc():
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         jax.jit(step).lower(*args)
                         best = min(best, time.perf_counter() - t0)
-            finally:
-                if v == "reprules":
-                    unregister(w.targets())
+                        best_cpu = min(best_cpu, time.process_time() - c0)
             if r:
                 lower[v].append(best)
+                lower_cpu[v].append(best_cpu)
+        gc.collect()
     result["lower_s"] = {v: stats(t) for v, t in lower.items()}
-    result["lower_ratio"] = {f"reprules/{v}": paired_ratio(lower["reprules"], lower[v]) for v in variants
-                             if v != "reprules"}
+    result["lower_cpu_s"] = {v: stats(t) for v, t in lower_cpu.items()}
+    result["lower_ratio"] = {f"{a}/{b}": paired_ratio(lower[a], lower[b]) for a, b in RATIOS
+                             if a in variants and b in variants}
+    result["lower_cpu_ratio"] = {f"{a}/{b}": paired_ratio(lower_cpu[a], lower_cpu[b]) for a, b in RATIOS
+                                 if a in variants and b in variants}
     return result
 
 
@@ -458,8 +589,14 @@ def import_time(repeats: int) -> dict[str, Any]:
     """``import reprules`` after ``import jax``, in fresh interpreters."""
     code = ("import time; t0 = time.perf_counter(); import jax; t1 = time.perf_counter(); import reprules; "
             "t2 = time.perf_counter(); print(t1 - t0, t2 - t1)")
+    import tempfile
+
     jax_s, reprules_s = [], []
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # As installed: from bytecode (PYTHONDONTWRITEBYTECODE would compile every module
+    # each time), kept out of the source tree; one unmeasured interpreter writes it.
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONDONTWRITEBYTECODE")}
+    env["PYTHONPYCACHEPREFIX"] = os.path.join(tempfile.gettempdir(), "reprules-bench-pycache")
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     for _ in range(repeats):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
         a, b = map(float, out.stdout.split())
@@ -499,6 +636,19 @@ def targets_summary(results: dict[str, Any]) -> list[dict[str, Any]]:
               if "reprules/hand" in r.get("lower_ratio", {})}
     out.append({"target": f"trace+lower reprules/hand <= {1 + TARGETS['lower_vs_hand']:.2f}", "value": lowers,
                 "met": all(v <= 1 + TARGETS["lower_vs_hand"] for v in lowers.values()) if lowers else None})
+    lowers_off = {n: r["lower_ratio"]["reprules/off"]["median"] for n, r in measured.items()
+                  if "reprules/off" in r.get("lower_ratio", {}) and n in ("tp_mlp",) + TRANSFORMERS}
+    out.append({"target": f"trace+lower reprules/off <= {TARGETS['lower_vs_off']:.2f} (tp_mlp, transformer)",
+                "value": lowers_off,
+                "met": all(v <= TARGETS["lower_vs_off"] for v in lowers_off.values()) if lowers_off else None})
+    formulas = {n: (r["collectives"]["reprules"]["program"]["needed_bytes"],
+                    r["collectives"]["off"]["program"]["bytes"],
+                    r["collectives"]["off"]["program"]["defensive_bytes"], r["expected"]["needed"],
+                    r["expected"]["off"], r["expected"]["flagged_defensive"])
+                for n, r in measured.items() if "expected" in r}
+    out.append({"target": "reprules._scale formulas = the program's measured bytes (needed, off total, off "
+                          "defensive; traced and lowered, before XLA adds any)",
+                "value": formulas, "met": all(v[:3] == v[3:] for v in formulas.values()) if formulas else None})
     ms = results["import"]["reprules_on_top_of_jax_s"]["median"] * 1e3
     out.append({"target": f"import reprules < {TARGETS['import_ms']:.0f} ms on top of import jax", "value": ms,
                 "met": ms < TARGETS["import_ms"]})
@@ -512,31 +662,60 @@ def print_report(results: dict[str, Any]) -> None:
     load = ", ".join(f"{a:.1f}" for a in results["load_average_before"][:1] + results["load_average_after"][:1])
     print(f"{os.cpu_count()} CPU cores; 1-minute load average before, after: {load} (other processes skew timings)")
     print(f"step time: {cfg['repeats']} paired rounds after {cfg['warmup']} warm-up runs, variants interleaved; "
-          f"trace+lower: {cfg['lower_repeats']} rounds, best of {cfg['lower_inner']}")
+          f"trace+lower: {cfg['lower_repeats']} rounds, best of {cfg['lower_inner']} "
+          f"(transformers: {cfg['heavy_lower_repeats']} rounds, best of 1)")
     print("ratios: median [p25, p75] of the per-round ratios")
-    print("\ncollectives per step (per-device bytes, any level)")
-    print(f"  {'workload':12}{'variant':10}{'count':>6}{'bytes':>10}{'defensive B':>13}{'needed B':>10}"
+    print("\ncollectives per step (per-device bytes, any level; a scan body's collectives counted once per layer)")
+    print(f"  {'workload':18}{'variant':10}{'count':>6}{'bytes':>10}{'defensive B':>13}{'needed B':>10}"
           f"{'minimum B':>11}")
     for name, r in results["workloads"].items():
         if "skipped" in r:
-            print(f"  {name:12}skipped: {r['skipped']}")
+            print(f"  {name:18}skipped: {r['skipped']}")
             continue
         for v in VARIANTS:
             c = r["collectives"].get(v)
             if c is None:
-                print(f"  {name:12}{v:10}n/a: {r['unavailable'].get(v, '')}")
+                print(f"  {name:18}{v:10}n/a: {r['unavailable'].get(v, '')[:300]}")
                 continue
-            print(f"  {name:12}{v:10}{c['count']:>6}{c['bytes']:>10}{c['defensive_bytes']:>13}{c['needed_bytes']:>10}"
-                  f"{r['minimum_needed_bytes']:>11}")
-    print("\nratios (reprules / other variant; < 1 is faster with reprules)")
-    print(f"  {'workload':12}{'step vs off':>20}{'step vs hand':>20}{'trace+lower vs off':>21}"
-          f"{'trace+lower vs hand':>21}")
+            static = "" if c["static"]["count"] == c["count"] else f"  ({c['static']['count']} in the program)"
+            added = c.get("compiler_added_bytes", 0)
+            added = f"  ({added} B added by XLA)" if added else ""
+            print(f"  {name:18}{v:10}{c['count']:>6}{c['bytes']:>10}{c['defensive_bytes']:>13}{c['needed_bytes']:>10}"
+                  f"{r['minimum_needed_bytes']:>11}{static}{added}")
+        e = r.get("expected")
+        if e:
+            print(f"  {name:18}{'formula':10}{'':>6}{e['off']:>10}{e['flagged_defensive']:>13}{e['needed']:>10}"
+                  f"{'':>11}  (reprules._scale: off total, off defensive, needed)")
+    errors = {n: r["max_error"] for n, r in results["workloads"].items() if r.get("max_error")}
+    if errors:
+        print("\ngradients: max abs error against the unsharded reference")
+        for name, e in errors.items():
+            print(f"  {name:18}" + ", ".join(f"{v} {x:.1e}" for v, x in e.items()))
+    print("\ncompiled memory analysis (bytes per device)")
+    print(f"  {'workload':18}{'variant':10}{'temp':>12}{'argument':>12}{'output':>12}")
+    for name, r in results["workloads"].items():
+        for v, m in r.get("memory", {}).items():
+            if m:
+                print(f"  {name:18}{v:10}{m['temp']:>12}{m['argument']:>12}{m['output']:>12}")
+    print("\nratios (< 1 is faster with reprules; trace+lower also as this process's CPU time)")
+    print(f"  {'workload':18}{'step vs off':>19}{'step vs hand':>19}{'trace+lower vs off':>20}"
+          f"{'  (CPU time)':>19}{'trace+lower vs hand':>20}")
     for name, r in results["workloads"].items():
         if "skipped" in r:
             continue
-        sr, lr = r["step_ratio"], r["lower_ratio"]
-        print(f"  {name:12}{fmt_ratio(sr.get('reprules/off')):>20}{fmt_ratio(sr.get('reprules/hand')):>20}"
-              f"{fmt_ratio(lr.get('reprules/off')):>21}{fmt_ratio(lr.get('reprules/hand')):>21}")
+        sr, lr, lc = r["step_ratio"], r["lower_ratio"], r["lower_cpu_ratio"]
+        print(f"  {name:18}{fmt_ratio(sr.get('reprules/off')):>19}{fmt_ratio(sr.get('reprules/hand')):>19}"
+              f"{fmt_ratio(lr.get('reprules/off')):>20}{fmt_ratio(lc.get('reprules/off')):>19}"
+              f"{fmt_ratio(lr.get('reprules/hand')):>20}")
+        if "inference/off" in lr:
+            print(f"  {'':18}inference: step vs off {fmt_ratio(sr.get('inference/off'))}, trace+lower vs off "
+                  f"{fmt_ratio(lr.get('inference/off'))}, vs reprules {fmt_ratio(lr.get('inference/reprules'))}")
+    print("\ntrace+lower seconds (median wall, median CPU)")
+    for name, r in results["workloads"].items():
+        if "skipped" in r:
+            continue
+        print(f"  {name:18}" + ", ".join(f"{v} {r['lower_s'][v]['median']:.3f} / {r['lower_cpu_s'][v]['median']:.3f}"
+                                         for v in r["lower_s"]))
     imp = results["import"]["reprules_on_top_of_jax_s"]
     print(f"\nimport reprules on top of import jax: {imp['median'] * 1e3:.1f} ms "
           f"[{imp['p25'] * 1e3:.1f}, {imp['p75'] * 1e3:.1f}] over {imp['n']} fresh interpreters")
@@ -556,7 +735,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lower-repeats", type=int, default=20, help="trace+lower rounds (default 20)")
     parser.add_argument("--lower-inner", type=int, default=3, help="trace+lower: best of N per round (default 3)")
     parser.add_argument("--import-repeats", type=int, default=10, help="fresh interpreters for import time")
-    parser.add_argument("--workloads", default="activation,tp_mlp,layer_norm", help="comma-separated subset")
+    parser.add_argument("--heavy-lower-repeats", type=int, default=5,
+                        help="trace+lower rounds of the transformers, best of 1 (default 5)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="transformer layers (default 24; 2 with --small)")
+    parser.add_argument("--workloads", default="activation,tp_mlp,layer_norm",
+                        help="comma-separated, from: " + ", ".join(("activation", "tp_mlp", "layer_norm")
+                                                                  + TRANSFORMERS)
+                        + "; or `all` (default: activation,tp_mlp,layer_norm; the transformers take minutes)")
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke test, not a benchmark)")
     parser.add_argument("--out", default=None, help="write the results as JSON to this path")
     opts = parser.parse_args(argv)
@@ -566,8 +752,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               "was set?)", file=sys.stderr)
         return 2
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(MESH_SHAPE), MESH_AXES)
-    builders = {"activation": activation_workload, "tp_mlp": tp_mlp_workload, "layer_norm": layer_norm_workload}
+    builders: dict[str, Callable[[bool], Workload]] = {
+        "activation": activation_workload, "tp_mlp": tp_mlp_workload, "layer_norm": layer_norm_workload,
+        "transformer": lambda small: transformer_workload(small, layers=opts.layers),
+        "transformer_scan": lambda small: transformer_workload(small, scan=True, layers=opts.layers),
+        "transformer_1sm": lambda small: transformer_workload(small, structure="model", layers=opts.layers),
+        "transformer_scan_1sm": lambda small: transformer_workload(small, scan=True, structure="model",
+                                                                   layers=opts.layers),
+    }
     names = [n.strip() for n in opts.workloads.split(",") if n.strip()]
+    if names == ["all"]:
+        names = list(builders)
     unknown = [n for n in names if n not in builders]
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {list(builders)}")
@@ -576,14 +771,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "jax": jax.__version__, "regime": reprules.jax_support()["regime"], "devices": jax.device_count(),
         "mesh": dict(zip(MESH_AXES, MESH_SHAPE)), "hand_annotation": HAND,
         "config": {"repeats": opts.repeats, "warmup": opts.warmup, "lower_repeats": opts.lower_repeats,
-                   "lower_inner": opts.lower_inner,
-                   "import_repeats": opts.import_repeats, "small": opts.small},
+                   "lower_inner": opts.lower_inner, "heavy_lower_repeats": opts.heavy_lower_repeats,
+                   "layers": opts.layers, "import_repeats": opts.import_repeats, "small": opts.small},
         "workloads": {},
     }
     results["load_average_before"] = list(os.getloadavg())  # other processes skew timings
     for name in names:
         results["workloads"][name] = measure(builders[name](opts.small), mesh, opts.repeats, opts.warmup,
-                                             opts.lower_repeats, opts.lower_inner)
+                                             opts.lower_repeats, opts.lower_inner, opts.heavy_lower_repeats)
     results["import"] = import_time(opts.import_repeats)
     results["load_average_after"] = list(os.getloadavg())
     results["targets"] = targets_summary(results)
