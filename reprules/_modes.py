@@ -8,39 +8,16 @@ traces so the next call is traced again in the new mode. Both are free when off.
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 from collections.abc import Iterator
 
-VERIFY_ENV = "REPRULES_VERIFY"
-STRICT_ENV = "REPRULES_STRICT"
-INFER_ENV = "REPRULES_INFER"
+from reprules import _shim
+from reprules._mode_state import INFER_ENV, STRICT_ENV, VERIFY_ENV, enter, inferring, leave, strict_on, verifying
 
-_lock = threading.Lock()
-_verify_depth = 0
-_strict_depth = 0
-_infer_depth = 0
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def verifying() -> bool:
-    return _verify_depth > 0 or _env_on(VERIFY_ENV)
-
-
-def strict_on() -> bool:
-    return _strict_depth > 0 or _env_on(STRICT_ENV)
-
-
-def inferring() -> bool:
-    return _infer_depth > 0 or _env_on(INFER_ENV)
+__all__ = ["INFER_ENV", "STRICT_ENV", "VERIFY_ENV", "inference", "inferring", "strict", "strict_on", "verify",
+           "verifying"]
 
 
 def _retrace() -> None:
-    from reprules import _shim
-
     _shim.clear_jax_caches()
 
 
@@ -67,20 +44,15 @@ def verify() -> Iterator[None]:
             jax.jit(step)(params, batch)
         ```
     """
-    from reprules._shim import _verify
-
-    global _verify_depth
-    _verify.take_mismatches()  # forget anything found before this context
-    with _lock:
-        _verify_depth += 1
+    _shim.take_mismatches()  # forget anything found before this context
+    enter("verify")
     _retrace()
     try:
         yield
     finally:
-        with _lock:
-            _verify_depth -= 1
+        leave("verify")
         _retrace()
-    _verify.raise_if_mismatched()  # only when the body itself did not raise
+    _shim.raise_if_mismatched()  # only when the body itself did not raise
 
 
 @contextlib.contextmanager
@@ -95,18 +67,13 @@ def strict() -> Iterator[None]:
     :class:`reprules.StrictModeError` while tracing. JAX <= 0.5 already refuses
     primitives without a rule, so there this mode changes nothing.
     """
-    from reprules import _shim
-
-    global _strict_depth
-    with _lock:
-        _strict_depth += 1
+    enter("strict")
     _shim.sync_strict()
     _retrace()
     try:
         yield
     finally:
-        with _lock:
-            _strict_depth -= 1
+        leave("strict")
         _shim.sync_strict()
         _retrace()
 
@@ -136,25 +103,21 @@ def inference() -> Iterator[None]:
             grads = jax.jit(step)(params, batch)   # no rules registered by hand
         ```
     """
-    from reprules import _registry, _shim
+    from reprules import _registry
 
-    global _infer_depth
     with _shim.lock:
-        with _lock:
-            _infer_depth += 1
+        enter("infer")
         try:
             _shim.activate()
         except BaseException:
-            with _lock:
-                _infer_depth -= 1
+            leave("infer")
             raise
     _retrace()
     try:
         yield
     finally:
         with _shim.lock:
-            with _lock:
-                _infer_depth -= 1
+            leave("infer")
             if not inferring() and _registry.is_empty():
                 _shim.deactivate()
         _retrace()

@@ -22,6 +22,8 @@ from types import ModuleType
 
 from reprules._errors import UnsupportedJaxError
 from reprules._shim import _common
+from reprules._shim._verify import raise_if_mismatched as raise_if_mismatched
+from reprules._shim._verify import take_mismatches as take_mismatches
 
 JAX_VERSION = _common.JAX_VERSION
 SUPPORTED = ((0, 4, 28), (0, 13))
@@ -183,16 +185,16 @@ def _undo_each(pending: list[_common.Patches]) -> None:
 
 
 def sync_strict() -> None:
-    """Installs or removes strict mode's hook to match ``_modes.strict_on()``.
+    """Installs or removes strict mode's hook to match ``_mode_state.strict_on()``.
 
     Only the vma and mat regimes need it: JAX <= 0.5 refuses rule-less primitives itself.
     """
     global _strict_patches
-    from reprules import _modes
+    from reprules import _mode_state
 
     with _lock:
         module = regime()
-        want = _modes.strict_on() and hasattr(module, "install_strict")
+        want = _mode_state.strict_on() and hasattr(module, "install_strict")
         if want and _strict_patches is None:
             _strict_patches = _common.Patches()
             module.install_strict(_strict_patches)

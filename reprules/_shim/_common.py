@@ -40,7 +40,7 @@ JAX_VERSION: str = jax.__version__
 
 def version_tuple(version: str = JAX_VERSION) -> tuple[int, ...]:
     """``(0, 12, 0, 1)`` for JAX 0.12.0.1 (by default the installed JAX); one parser for reprules."""
-    from reprules._environment import version_tuple as parse
+    from reprules._version import version_tuple as parse
 
     return parse(version)
 
@@ -282,9 +282,9 @@ def registration_of(params: dict[str, Any]) -> Registration | None:
 def inferred_registration(params: dict[str, Any]) -> Registration | None:
     """The rule derived from a ``pallas_call_p`` equation's kernel body, if
     inference is on and the body is provably local; else None."""
-    from reprules import _modes
+    from reprules import _mode_state
 
-    if not _modes.inferring() or "jaxpr" not in params:
+    if not _mode_state.inferring() or "jaxpr" not in params:
         return None
     from reprules._shim import infer
 
@@ -295,9 +295,9 @@ def inferred_registration(params: dict[str, Any]) -> Registration | None:
 def inference_note(params: dict[str, Any], mesh_axes: Sequence[str]) -> str:
     """Why inference refused a ``pallas_call_p`` equation, for a MissingRuleError;
     ``""`` if inference is off or derived a rule."""
-    from reprules import _modes
+    from reprules import _mode_state
 
-    if not _modes.inferring() or "jaxpr" not in params:
+    if not _mode_state.inferring() or "jaxpr" not in params:
         return ""
     from reprules._shim import infer
 

@@ -22,3 +22,4 @@ def backends_started() -> bool:
     except ImportError:  # pragma: no cover - layout changed: assume started
         return True
     return bool(getattr(xla_bridge, "_backends", {}))
+

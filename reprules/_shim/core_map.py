@@ -65,7 +65,7 @@ from typing import Any
 
 import jax
 
-from reprules import _errors, _modes
+from reprules import _errors, _mode_state
 from reprules._decide import decide
 from reprules._registry import Registration, lookup
 from reprules._shim import _common, infer, vma
@@ -187,7 +187,7 @@ def registration_of(params: dict[str, Any]) -> Registration | None:
         reg = lookup(body)
         if reg is not None:
             return reg
-    if _modes.inferring():
+    if _mode_state.inferring():
         with _by_jaxpr_lock:
             for jaxpr in _eqn_jaxprs(params):
                 found = _inferred.get(jaxpr)
@@ -436,7 +436,7 @@ class _Hooks:
                           in_vary: Sequence[frozenset[str]]) -> None:
         """0.8 - 0.9: JAX types a rule-less pl.kernel's outputs replicated, which strict
         mode refuses; say there why inference could not derive a rule."""
-        if not (_modes.strict_on() and frozenset().union(*in_vary)):
+        if not (_mode_state.strict_on() and frozenset().union(*in_vary)):
             return
         from reprules._registry import kernel_name as name_of
 
@@ -467,7 +467,7 @@ class _Hooks:
         out_leaves = jax.tree_util.tree_leaves(local.get("out_shape", ()))
         in_vary = self._in_varying(operands)
         if reg is None:
-            if not _modes.inferring():
+            if not _mode_state.inferring():
                 return None
             found = _infer_kernel(local, len(operands), len(out_leaves))
             if not isinstance(found, Registration):
@@ -510,9 +510,9 @@ class _Hooks:
         if body is not None:
             _remember((params.get("jaxpr"),), body)
         reg = act.reg if act is not None else lookup(body)
-        if act is not None and isinstance(reg.rule, infer.InferredRule):
-            _remember_inferred((params.get("jaxpr"),), reg)
-        if reg is not None and act is not None and _modes.verifying():
+        if act is not None and isinstance(act.reg.rule, infer.InferredRule):
+            _remember_inferred((params.get("jaxpr"),), act.reg)
+        if reg is not None and act is not None and _mode_state.verifying():
             refs = jax.tree_util.tree_leaves(local.get("out_refs", ()))
             values = [ref[...] for ref in refs]
             self.regime._maybe_verify(reg, values)
@@ -547,7 +547,7 @@ class _Hooks:
             out_types = args[1] if len(args) > 1 else kwargs.get("out_types", ())
             checking = vma.checking()
             # Under inference any body may get a rule; one refused raises at the call.
-            let = checking and (_modes.inferring() or any(lookup(fn) is not None for fn in fns))
+            let = checking and (_mode_state.inferring() or any(lookup(fn) is not None for fn in fns))
             token = _letting_through.set(let)
             try:
                 wrapper = original(*args, **kwargs)
@@ -621,7 +621,7 @@ class _Hooks:
             made = _outputs_of(local.get("flat_out_avals"), len(out_avals))
             num_user = len(local.get("flat_args", args))
             if not registered:
-                found = _infer_mpmd(params, args) if _modes.inferring() else None
+                found = _infer_mpmd(params, args) if _mode_state.inferring() else None
                 if not isinstance(found, Registration):
                     if any(made.let_through):
                         name = kernel_name(params)
@@ -734,10 +734,13 @@ def _infer_kernel(local: dict[str, Any], num_in: int, num_out: int) -> Registrat
     them, so the body is traced here first, as JAX would trace it (the same
     ``_make_kernel``, on the operands' shapes, with checking off: only the
     dataflow is read), and its ``core_map`` body is analysed."""
+    import importlib
+
     from jax._src import config
-    from jax._src.pallas import helpers
 
     from reprules._registry import kernel_name as name_of
+
+    helpers: Any = importlib.import_module("jax._src.pallas.helpers")  # 0.8+
 
     body = local.get("body")
     name = name_of(body)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reprules import _errors, _modes
+from reprules import _errors, _mode_state
 from reprules._decide import decide
 from reprules._registry import Registration
 from reprules.rules import Decision, VaryingSet
@@ -116,7 +116,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
         outs = op.prim.bind(*cast_args, **params)
         outs = list(outs) if op.prim.multiple_results else [outs]
         reps = out_reps(decision, all_axes, len(outs))
-        if _modes.verifying():
+        if _mode_state.verifying():
             _verify.insert_checks(
                 reg, outs, [all_axes - r for r in reps], manual_axes(mesh),
                 lambda x, axes: pbroadcast(x, axes),

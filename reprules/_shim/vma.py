@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from reprules import _errors, _modes
+from reprules import _errors, _mode_state
 from reprules._decide import decide
 from reprules._registry import Registration
 from reprules._shim import _common, _verify, custom_vjp, infer
@@ -231,7 +231,7 @@ class Regime:
                 )
 
     def _maybe_verify(self, reg: Registration, outs: Sequence[Any]) -> None:
-        if _modes.verifying():
+        if _mode_state.verifying():
             varying = [self.field.varying(jax.typeof(o)) for o in outs]
             _verify.insert_checks(reg, outs, varying, manual_axes(), cast_up_tuple)
 
@@ -321,7 +321,7 @@ class Regime:
 
         def default_process_primitive(trace: Any, primitive: Any, tracers: Any, params: Any, *rest: Any, **kw: Any) -> Any:
             out = original(trace, primitive, tracers, params, *rest, **kw)
-            if _modes.strict_on() and checking() and not _exempt(primitive, params):
+            if _mode_state.strict_on() and checking() and not _exempt(primitive, params):
                 in_vary = frozenset().union(*(field.varying(getattr(t, "aval", None)) for t in tracers))
                 outs = out if primitive.multiple_results else [out]
                 for index, o in enumerate(outs):

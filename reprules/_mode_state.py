@@ -1,0 +1,41 @@
+"""Whether each opt-in mode is on: the state that ``_modes`` switches and the
+shim reads. A leaf module (it imports nothing of reprules), so dependencies run
+one way: façade and ``_modes`` -> shim -> this."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+VERIFY_ENV = "REPRULES_VERIFY"
+STRICT_ENV = "REPRULES_STRICT"
+INFER_ENV = "REPRULES_INFER"
+
+lock = threading.Lock()
+_depth = {"verify": 0, "strict": 0, "infer": 0}
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def enter(mode: str) -> None:
+    with lock:
+        _depth[mode] += 1
+
+
+def leave(mode: str) -> None:
+    with lock:
+        _depth[mode] -= 1
+
+
+def verifying() -> bool:
+    return _depth["verify"] > 0 or _env_on(VERIFY_ENV)
+
+
+def strict_on() -> bool:
+    return _depth["strict"] > 0 or _env_on(STRICT_ENV)
+
+
+def inferring() -> bool:
+    return _depth["infer"] > 0 or _env_on(INFER_ENV)
