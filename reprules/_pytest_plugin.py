@@ -109,7 +109,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
         context = reprules.inference()
         context.__enter__()
-        config.add_cleanup(lambda: context.__exit__(None, None, None))
+
+        def leave() -> None:
+            context.__exit__(None, None, None)
+
+        config.add_cleanup(leave)
     config.addinivalue_line(
         "markers",
         "reprules_devices(n): the test needs at least n JAX devices; skipped when fewer exist "
