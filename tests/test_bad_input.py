@@ -279,3 +279,17 @@ def test_transformed_functions_are_refused(wrap):
 def test_ffi_target_name_must_be_a_string():
     with pytest.raises(reprules.RegistrationError, match="(?s)name as a non-empty string, got 42.*Fix:"):
         reprules.replication_rule()(reprules.ffi_target(42))
+
+
+def test_rule_on_the_function_that_launches_the_kernel_is_refused():
+    """A silent mistake made loud: a rule on the wrapper would never match."""
+
+    def launch(x):
+        return pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+    with pytest.raises(reprules.RegistrationError, match=(
+            r"(?s)'.*launch': it calls pl\.pallas_call, so it is the function that launches a kernel.*"
+            r"JAX \d+\.\d+.*Fix: register the kernel function passed to pl\.pallas_call")):
+        reprules.replication_rule()(launch)
+    assert not reprules.registered()
+    reprules.replication_rule()(copy_kernel)  # the kernel itself is fine

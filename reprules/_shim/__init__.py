@@ -123,6 +123,17 @@ def classify(target: object) -> str:
 
     wrapped = callable(target) and (isinstance(target, (jax.custom_vjp, jax.custom_jvp)) or hasattr(target, "lower"))
     if callable(target) and not isinstance(target, type) and not wrapped:
+        entry = _calls_entry_point(target)
+        if entry is not None:
+            name = getattr(target, "__qualname__", None) or repr(target)
+            raise RegistrationError(
+                f"Cannot register a replication rule on {name!r}: it calls {entry}, so it is the "
+                f"function that launches a kernel, not the kernel (JAX {JAX_VERSION}).\n"
+                "Why: reprules finds a rule by the kernel function JAX traces; a rule on the "
+                "launching function would never match, and the kernel would stay without one.\n"
+                f"Fix: register the kernel function passed to {entry} (the function whose "
+                "arguments are refs), e.g. `reprules.replication_rule()(my_kernel)`."
+            )
         return "pallas"
     raise RegistrationError(
         f"Cannot register a replication rule on {target!r} ({type(target).__name__}): it is not "
@@ -132,6 +143,28 @@ def classify(target: object) -> str:
         "Fix: register the function passed to pl.pallas_call, a jax.extend.core.Primitive, "
         "reprules.ffi_target(name), or the Triton kernel passed to jax_triton.triton_call."
     )
+
+
+_ENTRY_POINTS = ("pallas_call", "core_map", "triton_call", "ffi_call")
+
+
+def _calls_entry_point(fn: object) -> str | None:
+    """The kernel entry point (``pallas_call`` ...) that ``fn``'s code names, if any:
+    a kernel body never launches a kernel, so such a function is a wrapper."""
+    import functools
+    import inspect
+
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    code = getattr(inspect.unwrap(fn), "__code__", None)  # type: ignore[arg-type]
+    pending = [code] if code is not None else []
+    while pending:
+        code = pending.pop()
+        for name in code.co_names:
+            if name in _ENTRY_POINTS:
+                return f"pl.{name}" if name in ("pallas_call", "core_map") else name
+        pending.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+    return None
 
 
 def attach(target: object) -> None:
