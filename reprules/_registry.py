@@ -112,6 +112,20 @@ def _where(kernel: object) -> str:
     return f"{module}.{qualname}"
 
 
+_generation = 0
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
+
+
+def generation() -> int:
+    """Changes whenever a rule is registered or removed (keys of caches that
+    hold what was traced under the rules of the moment)."""
+    return _generation
+
+
 def register(kernel: object, rule: RuleLike, *, override: bool, source: str = "?") -> Registration:
     if isinstance(kernel, functools.partial):
         raise RegistrationError(
@@ -154,6 +168,7 @@ def register(kernel: object, rule: RuleLike, *, override: bool, source: str = "?
                 "intended, or call reprules.unregister(kernel) first."
             )
         table[kernel] = new
+        _bump()
     return new
 
 
@@ -161,9 +176,11 @@ def unregister(kernel: object) -> bool:
     """Removes ``kernel``'s rule; returns whether it had one."""
     with _lock:
         try:
-            return _table(kernel).pop(kernel, None) is not None
+            removed = _table(kernel).pop(kernel, None) is not None
         except TypeError:  # not weak-referenceable, so never registered
             return False
+        _bump()
+        return removed
 
 
 def lookup(kernel: object) -> Registration | None:

@@ -248,6 +248,9 @@ def clear_jax_caches() -> None:
     (seen on 0.6.2). Clearing is idempotent, so it is simply done again."""
     import jax
 
+    from reprules._shim import custom_vjp
+
+    custom_vjp.clear_traces()
     for attempt in range(8):
         try:
             jax.clear_caches()

@@ -28,10 +28,13 @@ accumulators rather than returning them; reprules leaves those to JAX.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
 import functools
 import inspect
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -258,15 +261,23 @@ def _traced_and_fixed(bwd: Callable[..., Any], call: _Call, field: Field, args: 
         return bwd(*jax.tree_util.tree_unflatten(tree, leaves))
 
     dyn_args = [flat[i] for i in dynamic]
-    watch = _common.Watch()
-    with _common.watching(watch):
-        closed, out_shape = jax.make_jaxpr(flat_bwd, return_shape=True)(*dyn_args)
-    if only_if_registered and not (watch.involved or _common.jaxpr_calls_registered(closed.jaxpr)):
-        return None
     num_res = len([i for i in dynamic if i < len(jax.tree_util.tree_leaves(tuple(args[:-1])))])
-    taints = _taints(closed.jaxpr, num_res, field)
+    key = _trace_key(tree, flat, dynamic, dyn_args, num_res)
+    traced = _bwd_traces.get(bwd, key)
+    if traced is None:
+        watch = _common.Watch()
+        with _common.watching(watch):
+            closed, out_shape = jax.make_jaxpr(flat_bwd, return_shape=True)(*dyn_args)
+        involved = watch.involved or _common.jaxpr_calls_registered(closed.jaxpr)
+        traced = _BwdTrace(closed, jax.tree_util.tree_structure(out_shape), _taints(closed.jaxpr, num_res, field),
+                           involved)
+        _bwd_traces.put(bwd, key, traced)
+    elif traced.involved:
+        _common.note_registered_call()  # as tracing it again would
+    if only_if_registered and not traced.involved:
+        return None
+    closed, out_tree, taints = traced.closed, traced.out_tree, traced.taints
     out_flat = core.eval_jaxpr(closed.jaxpr, closed.consts, *dyn_args)
-    out_tree = jax.tree_util.tree_structure(out_shape)
     out = jax.tree_util.tree_unflatten(out_tree, out_flat)
     taint_tree = jax.tree_util.tree_unflatten(out_tree, taints)
     cts, logs = _split_logs(out, call)
@@ -285,6 +296,94 @@ def _traced_and_fixed(bwd: Callable[..., Any], call: _Call, field: Field, args: 
         )
     fixed_cts = tuple(fixed)
     return (fixed_cts, logs) if call.with_logs else fixed_cts
+
+
+# --- the bwd's jaxpr, traced once per function and input types -------------------
+#
+# A model calls one custom_vjp per op in every layer: tracing its bwd to a
+# jaxpr (for the taints) and then evaluating it would bind every bwd equation
+# twice per call. The jaxpr depends only on the bwd function, its static
+# arguments, the input types (varying axes included), the manual axes, the
+# rules registered, reprules' modes and JAX's trace context: with all of those
+# in the key it is reused, as jax.jit reuses a trace.
+
+
+@dataclasses.dataclass(frozen=True)
+class _BwdTrace:
+    closed: Any
+    out_tree: Any
+    taints: list[frozenset[str] | None]
+    involved: bool  # the bwd calls a registered (or inferred) kernel
+
+
+class _TraceCache:
+    """Per bwd function (held weakly), a bounded LRU of its traces."""
+
+    def __init__(self, per_function: int = 32) -> None:
+        self._by_fn: weakref.WeakKeyDictionary[Any, collections.OrderedDict[Any, _BwdTrace]] = (
+            weakref.WeakKeyDictionary())
+        self._per_function = per_function
+        self._lock = threading.Lock()
+
+    def get(self, fn: Any, key: Any) -> _BwdTrace | None:
+        if key is None:
+            return None
+        with self._lock:
+            try:
+                entries = self._by_fn.get(fn)
+            except TypeError:  # not weakly referenceable
+                return None
+            if entries is None or key not in entries:
+                return None
+            entries.move_to_end(key)
+            return entries[key]
+
+    def put(self, fn: Any, key: Any, value: _BwdTrace) -> None:
+        if key is None:
+            return
+        with self._lock:
+            try:
+                entries = self._by_fn.setdefault(fn, collections.OrderedDict())
+            except TypeError:
+                return
+            entries[key] = value
+            while len(entries) > self._per_function:
+                entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_fn.clear()
+
+
+_bwd_traces = _TraceCache()
+
+
+def clear_traces() -> None:
+    """Forgets every cached bwd trace (with JAX's own caches)."""
+    _bwd_traces.clear()
+
+
+def _trace_key(tree: Any, flat: Sequence[Any], dynamic: Sequence[int], dyn_args: Sequence[Any],
+               num_res: int) -> Any:
+    """What a bwd's jaxpr depends on besides the function; None if not hashable."""
+    from jax._src import config
+
+    from reprules import _mode_state
+    from reprules._registry import generation
+    from reprules._shim import vma
+
+    dyn = set(dynamic)
+    try:
+        key = (
+            tree, tuple(x for i, x in enumerate(flat) if i not in dyn), tuple(jax.typeof(x) for x in dyn_args),
+            num_res, vma.manual_axes(), generation(),
+            (_mode_state.verifying(), _mode_state.strict_on(), _mode_state.inferring()),
+            config.trace_context(),
+        )
+        hash(key)
+    except TypeError:  # an unhashable static argument: trace every time
+        return None
+    return key
 
 
 def _is_traceable(x: Any) -> bool:
