@@ -780,12 +780,14 @@ def _infer_kernel(local: dict[str, Any], num_in: int, num_out: int) -> Registrat
         return infer.Refusal("pl.kernel", "was traced by reprules into a program it does not "
                              "recognise (one core_map over the operand and output refs)", "")
     (eqn,) = core_maps
-    if eqn.params["jaxpr"].invars or any(v not in roles for v in eqn.invars):
+    body_jaxpr = eqn.params["jaxpr"]
+    if any(v not in roles for v in eqn.invars) or len(eqn.invars) != len(body_jaxpr.constvars):
         return infer.Refusal("pl.kernel", "closes over values from outside the kernel (pass them "
                              "as operands), which inference does not track", "")
-    derived = infer.for_kernel_bodies(
-        (eqn.params["jaxpr"],), [roles[v] for v in eqn.invars], num_in, num_out, {})
-    return infer.kernel_registration((eqn.params["jaxpr"],), "core_map", name, lambda: derived)
+    # The body's invars are the scratch buffers core_map allocates itself (0.9).
+    operand_roles = [roles[v] for v in eqn.invars] + [("scratch", 0)] * len(body_jaxpr.invars)
+    derived = infer.for_kernel_bodies((body_jaxpr,), operand_roles, num_in, num_out, {})
+    return infer.kernel_registration((body_jaxpr,), "core_map", name, lambda: derived)
 
 
 def _forget_outputs(key: int, avals: tuple[Any, ...]) -> None:

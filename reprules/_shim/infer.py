@@ -552,8 +552,9 @@ def summarize(jaxpr: Any) -> _Summary | Refusal:
     """What each ref invar of a kernel jaxpr holds at the end, in terms of the
     initial contents of the kernel's invars (token ``k`` for invar ``k``).
 
-    A ``pl.kernel`` body traced by ``pl.core_map`` (JAX 0.8 - 0.9) takes its
-    refs as constvars: there the operands are its constvars, then its invars."""
+    The operands are the jaxpr's constvars, then its invars: a ``pl.kernel``
+    body traced by ``pl.core_map`` (JAX 0.8 - 0.9) takes its refs as constvars
+    and its scratch buffers (0.9) as invars."""
     with _cache_lock:
         try:
             cached = _cache.get(jaxpr)
@@ -576,8 +577,6 @@ _cache_lock = threading.Lock()
 
 def _summarize(jaxpr: Any) -> _Summary | Refusal:
     analysis = _Analysis()
-    if getattr(jaxpr, "constvars", ()) and getattr(jaxpr, "invars", ()):
-        return Refusal("pallas_call", "has a kernel jaxpr with constants, which inference does not track", "")
     env: dict[Any, Any] = {}
     ref_ids: list[int | None] = []
     for k, v in enumerate([*jaxpr.constvars, *jaxpr.invars]):
@@ -609,6 +608,8 @@ def for_pallas_call(params: dict[str, Any]) -> InferredRule | Refusal:
     gm = params.get("grid_mapping")
     num_user, num_out = _common.pallas_counts(params)
     jaxpr = params["jaxpr"]
+    if getattr(jaxpr, "constvars", ()):
+        return Refusal("pallas_call", "has a kernel jaxpr with constants, which inference does not track", "")
     summary = summarize(jaxpr)
     if isinstance(summary, Refusal):
         return summary
