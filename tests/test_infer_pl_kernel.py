@@ -184,6 +184,36 @@ def test_each_output_varies_only_over_what_it_depends_on(mesh):
     assert max_err(out1, np.asarray(w) + 1.0) == 0.0
 
 
+def test_control_dependence_makes_an_output_vary(mesh):
+    x = put(randn(0, (8, 128)), mesh, P("data", None))
+    w = put(randn(1, (2, 128)), mesh, P())
+
+    def guarded(x, w):
+        def body(x_ref, w_ref, p_ref):
+            def scoped(xb, wb):
+                pltpu.sync_copy(x_ref, xb)
+                pltpu.sync_copy(w_ref, wb)
+                wb[...] = wb[...] + 1.0
+
+                @pl.when(xb[0, 0] <= 0)  # a store under a branch on x: p depends on x
+                def _():
+                    wb[...] = jnp.zeros_like(wb)
+
+                pltpu.sync_copy(wb, p_ref)
+
+            pl.run_scoped(scoped, pltpu.VMEM(x_ref.shape, x_ref.dtype), pltpu.VMEM(w_ref.shape, w_ref.dtype))
+
+        return pl.kernel(body, sds(w), mesh=tc_mesh())(x, w)
+
+    with reprules.inference():
+        with pytest.raises(ValueError, match="out_specs"):  # p varies over data (through x's sign)
+            jax.jit(shard_map(guarded, mesh, (P("data", None), P()), P()))(x, w)
+        got = jax.jit(shard_map(guarded, mesh, (P("data", None), P()), P("data", None)))(x, w)
+    xn, wn = np.asarray(x), np.asarray(w)
+    expected = np.concatenate([wn + 1.0 if xn[2 * i, 0] > 0 else np.zeros_like(wn) for i in range(4)])
+    assert max_err(got, expected) == 0.0
+
+
 def test_scratch_buffers_are_tracked(mesh):
     x = put(randn(0, (8, 128)), mesh, P("data", None))
     w = put(randn(1, (2, 128)), mesh, P())
