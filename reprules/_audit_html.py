@@ -214,7 +214,7 @@ def _collective_table(collectives: Sequence[Mapping[str, Any]]) -> str:
         kind = c["kind"] + ("*" if c.get("is_async") else "")
         rows.append(
             f"<tr class='collective'><td class='num'>{i}</td><td class='nowrap'>{_e(kind)}</td><td>{_e(over)}</td>"
-            f"<td class='mono'>{_e(shapes)}</td><td class='num'>{c['bytes']:,}</td><td>{status}</td>"
+            f"<td class='mono'>{_e(shapes)}</td><td class='num'>{c['bytes']:,}{f" ×{c['executions']}" if c.get('executions', 1) > 1 else ''}</td><td>{status}</td>"
             f"<td class='mono'>{_e(levels)}{note}</td><td>{_e(c.get('primitive') or '')}"
             f"<div class='why'>{_e(c.get('origin', ''))}</div></td><td>{_source(c.get('source') or '')}</td>"
             f"<td><span class='mono'>{_e(c.get('op_name') or '?')}</span>{detail}</td></tr>")

@@ -67,7 +67,7 @@ def short_source(source: str) -> str:
 
 def _count(report: Report, defensive: bool | None = None) -> str:
     found = report.collectives if defensive is None else report.select(defensive=defensive)
-    return f"{len(found)} ({sum(c.bytes for c in found)} B)"
+    return f"{len(found)} ({sum(c.step_bytes for c in found)} B)"
 
 
 def _kernels(report: Report) -> str:
@@ -86,7 +86,7 @@ def _collective_rows(report: Report) -> list[tuple[str, ...]]:
         status = c.status + (f" ({','.join(c.replicated_axes)})" if c.defensive else "")
         levels = "".join(m if lvl in c.levels else "." for lvl, m in _LEVEL_MARKS)
         rows.append((str(i), c.kind + ("*" if c.is_async else ""), c.axes_text(), c.shape_text(),
-                     str(c.bytes), status, levels, short_source(c.source)))
+                     str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), status, levels, short_source(c.source)))
     return rows
 
 

@@ -54,7 +54,8 @@ def build_report(function: str, jax_version: str, walk: Walk, stablehlo: Sequenc
             kind=jc.kind, levels=["jaxpr"], dtype=jc.dtype, shapes=jc.shapes, bytes=jc.bytes,
             axes=jc.axes, groups="", defensive=jc.defensive, replicated_axes=jc.replicated_axes,
             origin=jc.origin, primitive=jc.primitive, op_name=jc.op_name, source=jc.source,
-            is_async=False, checked=jc.checked, kernels_without_rule=missing, lines=[]))
+            is_async=False, checked=jc.checked, kernels_without_rule=missing, lines=[],
+            executions=jc.executions))
 
     entry: dict[str, Any] | None
     for level, found in (("stablehlo", stablehlo), ("hlo", hlo)):

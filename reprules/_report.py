@@ -97,6 +97,8 @@ class Collective:
       kernels_without_rule: Opaque kernels without a rule in the same
         ``shard_map``: the likely reason checking is off.
       lines: ``(level, text)`` of the matched StableHLO/HLO instructions.
+      executions: How often it runs per step: the trip count of the ``scan``s
+        around it (1 outside any; a ``while`` loop's count is unknown: 1).
     """
 
     kind: str
@@ -116,6 +118,12 @@ class Collective:
     checked: bool | None = None
     kernels_without_rule: tuple[str, ...] = ()
     lines: tuple[tuple[str, str], ...] = ()
+    executions: int = 1
+
+    @property
+    def step_bytes(self) -> int:
+        """Per-device bytes per step: ``bytes`` times ``executions``."""
+        return self.bytes * self.executions
 
     @property
     def status(self) -> str:
@@ -147,7 +155,8 @@ class Collective:
             folded = "; folded by XLA in compiled HLO"
         name = f" {self.primitive}" if self.primitive else ""
         return (
-            f"{self.kind} over {self.axes_text()}: {self.shape_text()}, {self.bytes} B, "
+            f"{self.kind} over {self.axes_text()}: {self.shape_text()}, {self.bytes} B"
+            f"{f' x{self.executions}' if self.executions > 1 else ''}, "
             f"{self.status}{extra}{name} [{levels}{folded}] op_name={self.op_name or '?'} at {where}"
         )
 
@@ -157,6 +166,7 @@ class Collective:
         d["lines"] = [list(x) for x in self.lines]
         d["status"] = self.status
         d["folded"] = self.folded
+        d["step_bytes"] = self.step_bytes
         return d
 
 
@@ -214,7 +224,7 @@ class Report:
 
     def bytes(self, kind: str | None = None, **filters: Any) -> int:
         """Per-device bytes of the matching collectives, per step."""
-        return sum(c.bytes for c in self.select(kind, **filters))
+        return sum(c.step_bytes for c in self.select(kind, **filters))
 
     @property
     def defensive(self) -> tuple[Collective, ...]:
@@ -232,16 +242,16 @@ class Report:
         for i, c in enumerate(self.collectives):
             marks = " ".join("x" if lvl in c.levels else "." for lvl in LEVELS)
             rows.append((str(i), c.kind + ("*" if c.is_async else ""), c.axes_text(), c.shape_text(),
-                         str(c.bytes), c.status, marks, c.primitive or c.origin, _short(c.source)))
+                         str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), c.status, marks, c.primitive or c.origin, _short(c.source)))
         widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
         lines = [head]
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         if not self.collectives:
             lines.append("  (no collectives)")
-        total = sum(c.bytes for c in self.collectives)
+        total = sum(c.step_bytes for c in self.collectives)
         d = self.defensive
         lines.append(f"  total: {len(self.collectives)} collectives, {total} B per step; "
-                     f"{len(d)} defensive ({sum(c.bytes for c in d)} B)")
+                     f"{len(d)} defensive ({sum(c.step_bytes for c in d)} B)")
         if any(c.folded for c in self.collectives):
             lines.append("  (J S H = jaxpr, StableHLO, compiled HLO; '.' under H: folded away by XLA)")
         for k in self.kernels:
@@ -262,7 +272,7 @@ class Report:
                 "count": len(self.collectives),
                 "bytes": self.bytes(),
                 "defensive_count": len(self.defensive),
-                "defensive_bytes": sum(c.bytes for c in self.defensive),
+                "defensive_bytes": sum(c.step_bytes for c in self.defensive),
                 "by_kind": {k: {"count": self.count(k), "bytes": self.bytes(k)}
                             for k in _hlo.KINDS if self.count(k)},
             },

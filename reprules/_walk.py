@@ -72,6 +72,7 @@ class _JaxprCollective:
     source: str
     checked: bool | None
     shard_map_id: int | None
+    executions: int = 1
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,6 +91,7 @@ class _Ctx:
     path: str = ""
     checked: bool | None = None
     shard_map_id: int | None = None
+    executions: int = 1  # per step: the product of the enclosing scans' lengths
 
 
 _EMPTY: frozenset[str] = frozenset()
@@ -304,7 +306,7 @@ def _walk(jaxpr: Any, in_varying: Sequence[frozenset[str]], ctx: _Ctx, state: Wa
             subs = _sub_jaxprs(eqn.params)
             if subs:
                 outs = _walk_subs(eqn, name, subs, ins, union, _Ctx(ctx.manual, f"{path}/{name}" if path else name,
-                                                                    ctx.checked, ctx.shard_map_id), state)
+                                                                    ctx.checked, ctx.shard_map_id, ctx.executions), state)
         if outs is None or len(outs) != len(eqn.outvars):
             outs = [union if ctx.shard_map_id is not None else _UNKNOWN] * len(eqn.outvars)
         for v, s in zip(eqn.outvars, outs):
@@ -350,7 +352,9 @@ def _walk_subs(eqn: Any, name: str, subs: list[tuple[str, Any]], ins: list[froze
             if new == carry:
                 break
             carry = new
-        got = _walk(body, _fit(list(consts) + carry + list(xs), len(body.invars), union), ctx, state)
+        # The body runs `length` times per step: its collectives count that often.
+        looped = dataclasses.replace(ctx, executions=ctx.executions * max(int(p.get("length", 1) or 1), 1))
+        got = _walk(body, _fit(list(consts) + carry + list(xs), len(body.invars), union), looped, state)
         return carry + list(got[ncarry:])
     # pjit, closed_call, remat, custom_jvp_call, custom_vjp_call, ...: the first
     # sub-jaxpr whose arity fits is the function itself.
@@ -391,7 +395,8 @@ def _walk_shard_map(eqn: Any, ins: list[frozenset[str]], path: str, ctx: _Ctx,
     state.shard_maps += 1
     body = _as_jaxpr(p.get("jaxpr"))
     inner = _Ctx(manual=manual, path=f"{path}/shard_map" if path else "shard_map",
-                 checked=None if checked is None else bool(checked), shard_map_id=state.shard_maps)
+                 checked=None if checked is None else bool(checked), shard_map_id=state.shard_maps,
+                 executions=ctx.executions)
     if body is None:
         return [_UNKNOWN] * len(eqn.outvars)
     outs = _walk(body, _fit(in_varying, len(body.invars), frozenset(manual)), inner, state)
@@ -425,7 +430,8 @@ def _record_collective(eqn: Any, name: str, axes: tuple[str, ...], ins: list[fro
     state.collectives.append(_JaxprCollective(
         kind=kind, primitive=name, axes=axes, dtype=dtype, shapes=shapes, bytes=nbytes,
         replicated_axes=replicated, defensive=defensive, origin=origin, op_name=op_name,
-        source=_user_source(eqn.source_info), checked=ctx.checked, shard_map_id=ctx.shard_map_id))
+        source=_user_source(eqn.source_info), checked=ctx.checked, shard_map_id=ctx.shard_map_id,
+        executions=ctx.executions))
 
 
 def _record_kernel(eqn: Any, ctx: _Ctx, state: Walk) -> None:

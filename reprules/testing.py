@@ -166,7 +166,7 @@ def assert_collectives(fn: Callable[..., Any], *args: Any, expect: Mapping[Expec
     failures = []
     for label, kind, axes, defensive, want in checks:
         found = report.select(kind, axes=axes, level=level, defensive=defensive)
-        got = {"count": len(found), "bytes": sum(c.bytes for c in found)}
+        got = {"count": len(found), "bytes": sum(c.step_bytes for c in found)}
         for what, value in want.items():
             if got[what] != value:
                 failures.append((f"{label}: expected {what} {value}, got {got[what]}", found))

@@ -115,6 +115,10 @@ def test_collectives_inside_scan_cond_and_other_kinds(mesh):
     assert gather.shapes == ((8, 128),) and gather.bytes == 8 * 128 * 4
     assert report.count("collective-permute", axes="data") == 1
     assert not report.defensive  # written by the program, not by a transpose
+    psum = report.select("all-reduce", axes="model")[0]  # in the scan body: runs twice per step
+    assert (psum.executions, psum.step_bytes) == (2, 2 * psum.bytes)
+    assert report.bytes("all-reduce", axes="model") == 2 * psum.bytes
+    assert (report.select("all-gather")[0].executions, gather.step_bytes) == (1, gather.bytes)
 
 
 def test_report_json_and_table(mesh):
