@@ -81,9 +81,8 @@ def _trace_fresh(kernel, mesh, i: int, check: bool = True) -> None:
     sm = shard_map(lambda x, w: f(x, w) * scale, mesh, (P("data", None), P()), P("data", None), check)
     x, w = jnp.ones(shape), jnp.ones((shape[0] // 4, shape[1]))
     if i % 4 == 0:
-        jax.make_jaxpr(jax.grad(lambda x, w: sm(x, w).sum(), argnums=(0, 1)))(x, w)
-    else:
-        jax.make_jaxpr(sm)(x, w)
+        return jax.make_jaxpr(jax.grad(lambda x, w: sm(x, w).sum(), argnums=(0, 1)))(x, w)
+    return jax.make_jaxpr(sm)(x, w)
 
 
 def test_tables_stay_bounded_and_hold_only_what_jax_keeps():
@@ -93,9 +92,9 @@ def test_tables_stay_bounded_and_hold_only_what_jax_keeps():
     before = _sizes()
     kernel = reprules.replication_rule(rules.same())(_make_kernel())
     _decide.cache_clear()
-    early = None
+    early = kept = None
     for i in range(FRESH_FUNCTIONS):
-        _trace_fresh(kernel, mesh, i)
+        kept = _trace_fresh(kernel, mesh, i)  # the last jaxpr stays alive (JAX 0.7 caches none)
         if i == 3 * len(SHAPES) * 4:  # every shape, with and without gradient, traced
             gc.collect()
             early = _sizes(kernel)
@@ -105,16 +104,18 @@ def test_tables_stay_bounded_and_hold_only_what_jax_keeps():
     for table in ("registry", "decisions", "pending_out_shapes", "patched_primitives"):
         assert late[table] == early[table], (table, early, late)
     assert late["registry"] == before["registry"] + 1 and late["pending_out_shapes"] == 0, (before, late)
-    assert late["kernel_jaxprs"] > 0 and late["direct_jaxprs"] > 0, late
+    assert late["kernel_jaxprs"] > 0 and late["direct_jaxprs"] > 0, late  # `kept` holds one
     # The weak tables: nothing of this kernel once JAX forgets its traces, though the kernel lives on.
+    del kept
     jax.clear_caches()
     gc.collect()
     cleared = _sizes(kernel)
     assert cleared["kernel_jaxprs"] == 0 and cleared["direct_jaxprs"] == 0, (late, cleared)
     assert cleared["registry"] == before["registry"] + 1
     # And the kernel still works after JAX forgot its traces.
-    _trace_fresh(kernel, mesh, 0)
+    kept = _trace_fresh(kernel, mesh, 0)
     assert _sizes(kernel)["kernel_jaxprs"] > 0
+    del kept
     reprules.unregister(kernel)
 
 
