@@ -212,9 +212,10 @@ def _collective_table(collectives: Sequence[Mapping[str, Any]]) -> str:
             text = "\n".join(f"{level}: {line[:400]}" for level, line in lines[:4])
             detail = f"<details><summary>{len(lines)} instruction(s)</summary><pre class='mono'>{_e(text)}</pre></details>"
         kind = c["kind"] + ("*" if c.get("is_async") else "")
+        times = f" ×{c['executions']}" if c.get("executions", 1) > 1 else ""  # runs in a scan body
         rows.append(
             f"<tr class='collective'><td class='num'>{i}</td><td class='nowrap'>{_e(kind)}</td><td>{_e(over)}</td>"
-            f"<td class='mono'>{_e(shapes)}</td><td class='num'>{c['bytes']:,}{f" ×{c['executions']}" if c.get('executions', 1) > 1 else ''}</td><td>{status}</td>"
+            f"<td class='mono'>{_e(shapes)}</td><td class='num'>{c['bytes']:,}{times}</td><td>{status}</td>"
             f"<td class='mono'>{_e(levels)}{note}</td><td>{_e(c.get('primitive') or '')}"
             f"<div class='why'>{_e(c.get('origin', ''))}</div></td><td>{_source(c.get('source') or '')}</td>"
             f"<td><span class='mono'>{_e(c.get('op_name') or '?')}</span>{detail}</td></tr>")
