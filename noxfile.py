@@ -8,6 +8,8 @@
     python -m pip install --quiet nox uv && python -m nox -s main    # the main job
 """
 
+from collections.abc import Sequence
+
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -26,15 +28,35 @@ JAX_MATRIX = [
 # JAX that supports it (JAX 0.7 dropped 3.10, JAX 0.12 needs 3.12+), one regime each.
 PYTHON_MATRIX = [("3.10", "0.6.2"), ("3.11", "0.10.2"), ("3.13", "0.12.0.1")]
 
+# What can differ by Python, not by JAX (the tests sessions run everything on 3.12 with each
+# JAX): the syntax of every module (test_layering parses them all), the CLI and its HTML page,
+# the pytest plugin and the modes, plus the core: registration, #21855 and the compositions.
+PYTHON_SUITE = [
+    "tests/test_layering.py", "tests/test_registration.py", "tests/test_issue21855.py",
+    "tests/test_custom_vjp.py", "tests/test_compositions.py", "tests/test_no_harm.py",
+    "tests/test_cli.py", "tests/test_audit_html.py", "tests/test_plugin.py", "tests/test_modes.py",
+    "tests/test_testing.py",
+]
 
-def _run_tests(session: nox.Session, jax: str, tokamax: bool = False) -> None:
+
+def _install(session: nox.Session, *args: str) -> None:
+    # Bytecode at install time (pip's default; uv's only when asked): a machine that sets
+    # PYTHONDONTWRITEBYTECODE would otherwise compile JAX from source in every process the
+    # suite starts (~3 s each: every subprocess test, every pytest-xdist worker).
+    session.install(*args, env={"UV_COMPILE_BYTECODE": "1"})
+
+
+def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Sequence[str] = ()) -> None:
     # jax-triton (optional) needs JAX >= 0.11 and imports on CPU from there; tokamax's
     # kernels are tested under inference on the newest JAX only (it pulls ~70 packages).
     extras = "test,triton" if tuple(map(int, jax.split(".")[:2])) >= (0, 11) else "test"
     if tokamax and jax == JAX_MATRIX[-1]:
         extras += ",tokamax"
-    session.install(f"jax=={jax}", f"jaxlib=={jax}", "-e", f".[{extras}]")
-    session.run("python", "-m", "pytest", *session.posargs)
+    _install(session, f"jax=={jax}", f"jaxlib=={jax}", "-e", f".[{extras}]")
+    # One pytest-xdist worker per core (the tests are single-threaded Python, mostly tracing);
+    # reprules' own modules and the tests may cache their bytecode too.
+    session.run("python", "-m", "pytest", "-n", "auto", *(session.posargs or files),
+                env={"PYTHONDONTWRITEBYTECODE": None})
 
 
 @nox.session(python="3.12")
@@ -47,14 +69,14 @@ def tests(session: nox.Session, jax: str) -> None:
 @nox.session
 @nox.parametrize(("python", "jax"), PYTHON_MATRIX)
 def tests_python(session: nox.Session, jax: str) -> None:
-    """Runs the test suite on another supported Python, with one JAX version."""
-    _run_tests(session, jax)
+    """Runs the Python-sensitive part of the suite on another supported Python, with one JAX version."""
+    _run_tests(session, jax, files=PYTHON_SUITE)
 
 
 @nox.session(python="3.12")
 def typecheck(session: nox.Session) -> None:
     """``mypy --strict`` on the package and on a user's view of it, against the newest JAX."""
-    session.install(f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", "mypy>=1.10", "-e", ".[test]")
+    _install(session, f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", "mypy>=1.10", "-e", ".[test]")
     session.run("mypy", "--strict", "reprules", "tests/typing/usage.py", *session.posargs)
 
 
@@ -68,7 +90,7 @@ def docs(session: nox.Session) -> None:
 
     Its code examples are run by ``tests/test_docs.py`` in the ``tests`` sessions.
     """
-    session.install(f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", *DOCS_TOOLS, "-e", ".")
+    _install(session, f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", *DOCS_TOOLS, "-e", ".")
     session.run("mkdocs", "build", "--strict", "--config-file", ".docs/mkdocs.yml", *session.posargs,
                 env={"NO_MKDOCS_2_WARNING": "1"})
 
@@ -76,5 +98,5 @@ def docs(session: nox.Session) -> None:
 @nox.session(python="3.12")
 def main(session: nox.Session) -> None:
     """The main job, on the newest supported JAX: ``reprules audit`` of its default workload."""
-    session.install(f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", "-e", ".")
+    _install(session, f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", "-e", ".")
     session.run("reprules", "audit", *session.posargs)

@@ -369,17 +369,17 @@ def test_unsupported_jax_exits_3_without_traceback(monkeypatch, capsys):
                         r"installed\.\nWhy: [^\n]*\nFix: install a supported JAX[^\n]*\n", err), err
 
 
-def test_internal_error_is_one_paragraph_unless_traceback_is_asked(monkeypatch, capsys):
+def test_internal_error_is_one_paragraph_unless_traceback_is_asked(target, monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise KeyError("oops")
 
     monkeypatch.setattr(_audit_text, "render", broken)
-    assert _cli.main(["audit", "--quiet"]) == 1
+    assert _cli.main(["audit", f"{target}:data_parallel", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert re.fullmatch(r"reprules audit: internal error: KeyError: 'oops'\nWhy: [^\n]*\n"
                         r"Fix: rerun with --traceback and report the output\.\n", err), err
     with pytest.raises(KeyError, match="oops"):
-        _cli.main(["audit", "--quiet", "--traceback"])
+        _cli.main(["audit", f"{target}:data_parallel", "--quiet", "--traceback"])
 
 
 def test_version(capsys):
