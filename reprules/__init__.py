@@ -37,6 +37,7 @@ from reprules._modes import strict as strict
 from reprules._modes import verify as verify
 from reprules._registry import FfiTarget as FfiTarget
 from reprules._registry import KernelName as KernelName
+from reprules._registry import KernelPackage as KernelPackage
 from reprules._packs import PackStatus as PackStatus
 from reprules._packs import PackWarning as PackWarning
 from reprules._packs import packs as packs
@@ -63,6 +64,7 @@ __all__ = [
     "FfiTarget",
     "KernelLike",
     "KernelName",
+    "KernelPackage",
     "MissingRuleError",
     "PackStatus",
     "PackWarning",
@@ -82,6 +84,7 @@ __all__ = [
     "ffi_target",
     "inference",
     "kernel_named",
+    "kernels_in",
     "jax_support",
     "packs",
     "registered",
@@ -135,6 +138,8 @@ def replication_rule(rule: RuleLike | None = None, *, override: bool = False) ->
     chosen: RuleLike = rules.same() if rule is None else rule
 
     def register(kernel: K) -> K:
+        if isinstance(chosen, rules.inferred) != isinstance(kernel, KernelPackage):
+            raise RegistrationError(_inferred_only_on_packages(kernel, chosen))
         if not isinstance(kernel, functools.partial):
             _shim.classify(kernel)  # not a kernel, or unsupported here: raise before registering
         with _shim.lock:  # registry and JAX patches change together
@@ -164,6 +169,60 @@ def replication_rule(rule: RuleLike | None = None, *, override: bool = False) ->
             "`@replication_rule(rules.same())`."
         )
     return register
+
+
+def _inferred_only_on_packages(kernel: object, rule: RuleLike) -> str:
+    from reprules import _registry
+
+    if isinstance(kernel, KernelPackage):
+        return (
+            f"reprules.kernels_in({kernel.package!r}) takes only rules.inferred(), not {rule!r}.\n"
+            "Why: one fixed rule for every kernel of a package would type a kernel that "
+            "communicates as if it did not (a silently wrong gradient); a derived rule is proven "
+            "kernel by kernel, or refused.\n"
+            f"Fix: reprules.replication_rule(rules.inferred())(reprules.kernels_in({kernel.package!r})), "
+            "and an explicit rule on each kernel that needs another one (it wins)."
+        )
+    return (
+        f"rules.inferred() was given for {_registry.kernel_name(kernel)!r}; it applies only to "
+        "reprules.kernels_in(package).\n"
+        "Why: it derives the rules of a package's kernels from their bodies; one kernel gets a "
+        "rule of its own, or its rule derived under reprules.inference().\n"
+        "Fix: give the kernel a rule such as rules.same(), wrap the calls in "
+        "reprules.inference(), or register rules.inferred() on reprules.kernels_in(\"pkg\")."
+    )
+
+
+def kernels_in(package: str) -> KernelPackage:
+    """Every Pallas kernel (``pallas_call`` or ``pl.kernel`` body) defined in the
+    source files of an installed package or module, for
+    ``replication_rule(rules.inferred())``: each gets the rule
+    ``reprules.inference()`` would derive from its body, with inference off
+    elsewhere. A kernel inference refuses (it reads its device index,
+    communicates, or holds a primitive reprules does not know) raises
+    :class:`MissingRuleError` where JAX would refuse it; rules on a kernel object
+    or name win. Packs use it for libraries whose kernels are nested functions.
+
+    Example:
+        ```python
+        reprules.replication_rule(reprules.rules.inferred())(reprules.kernels_in("tokamax"))
+        ```
+    """
+    from reprules import _registry
+
+    if not isinstance(package, str) or not all(part.isidentifier() for part in package.split(".")):
+        raise RegistrationError(
+            f"kernels_in needs a dotted package or module name, got {package!r}.\n"
+            "Why: kernels are matched by the source files of that installed package.\n"
+            "Fix: e.g. reprules.kernels_in(\"tokamax\") or reprules.kernels_in(\"pkg.ops\")."
+        )
+    if not _registry.package_roots(package):
+        raise RegistrationError(
+            f"kernels_in({package!r}): no installed package or module has that name.\n"
+            "Why: its kernels are found by where its source files lie, and there are none.\n"
+            f"Fix: install it, or check the spelling (python -c \"import {package}\")."
+        )
+    return KernelPackage(package)
 
 
 def _caller() -> str:

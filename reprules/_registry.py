@@ -62,14 +62,31 @@ class KernelName:
         return self.qualified.rsplit(".", 1)[-1].rsplit(":", 1)[-1]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelPackage:
+    """Every Pallas kernel defined in the source files of an installed package
+    (or module), e.g. ``"tokamax"``: their rules are derived from their bodies,
+    as under ``reprules.inference()`` (the only rule such a target takes is
+    ``rules.inferred()``). Rules registered on a kernel object or name win.
+    """
+
+    package: str
+
+    @property
+    def short_name(self) -> str:
+        return f"{self.package}.*"
+
+
 _lock = threading.RLock()
 _rules: weakref.WeakKeyDictionary[object, Registration] = weakref.WeakKeyDictionary()
-_targets: dict[object, Registration] = {}  # FFI targets and kernel names, by value
+_targets: dict[object, Registration] = {}  # FFI targets, kernel names and packages, by value
 _matched: set[KernelName] = set()  # kernel names that some traced kernel had
+_package_roots: dict[KernelPackage, tuple[str, ...]] = {}  # where each package's files lie
+_package_of_file: dict[str, KernelPackage | None] = {}  # a cache, cleared when the registry changes
 
 
 def _by_value(kernel: object) -> bool:
-    return isinstance(kernel, (FfiTarget, KernelName))
+    return isinstance(kernel, (FfiTarget, KernelName, KernelPackage))
 
 
 def _table(kernel: object) -> MutableMapping[object, Registration]:
@@ -90,7 +107,7 @@ def kernel_name(kernel: object) -> str:
         kernel = kernel.func
     if isinstance(kernel, FfiTarget):
         return kernel.name
-    if isinstance(kernel, KernelName):
+    if isinstance(kernel, (KernelName, KernelPackage)):
         return kernel.short_name
     # Primitives have .name; Triton's JITFunction has .__name__ (or .fn).
     for attr in ("__name__", "name"):
@@ -105,6 +122,8 @@ def _where(kernel: object) -> str:
         return f"ffi_target:{kernel.name}"
     if isinstance(kernel, KernelName):
         return f"kernel_named:{kernel.qualified}"
+    if isinstance(kernel, KernelPackage):
+        return f"kernels_in:{kernel.package}"
     qualname = getattr(kernel, "__qualname__", None)
     if qualname is None:  # an instance, e.g. a Primitive: name it by its type
         return f"{type(kernel).__name__}:{kernel_name(kernel)}"
@@ -118,6 +137,7 @@ _generation = 0
 def _bump() -> None:
     global _generation
     _generation += 1
+    _package_of_file.clear()
 
 
 def generation() -> int:
@@ -168,6 +188,8 @@ def register(kernel: object, rule: RuleLike, *, override: bool, source: str = "?
                 "intended, or call reprules.unregister(kernel) first."
             )
         table[kernel] = new
+        if isinstance(kernel, KernelPackage):
+            _package_roots[kernel] = package_roots(kernel.package)
         _bump()
     return new
 
@@ -179,6 +201,8 @@ def unregister(kernel: object) -> bool:
             removed = _table(kernel).pop(kernel, None) is not None
         except TypeError:  # not weak-referenceable, so never registered
             return False
+        if isinstance(kernel, KernelPackage):
+            _package_roots.pop(kernel, None)
         _bump()
         return removed
 
@@ -206,9 +230,51 @@ def lookup(kernel: object) -> Registration | None:
 
 
 def unmatched_names() -> list[Registration]:
-    """Rules registered by ``kernel_named`` that no traced kernel has matched yet."""
+    """Rules registered by ``kernel_named`` that no traced kernel has matched yet
+    (a ``kernels_in`` package was found installed when registered: not a typo)."""
     with _lock:
         return [reg for key, reg in _targets.items() if isinstance(key, KernelName) and key not in _matched]
+
+
+def package_roots(package: str) -> tuple[str, ...]:
+    """The directories (a package) or the file (a module) holding ``package``'s
+    source, resolved without importing it; ``()`` if it is not installed."""
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # a parent that is not a package, or a bad name
+        return ()
+    if spec is None:
+        return ()
+    dirs = list(spec.submodule_search_locations or ())
+    if dirs:
+        return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+    return (os.path.realpath(spec.origin),) if spec.origin and os.path.isfile(spec.origin) else ()
+
+
+def has_packages() -> bool:
+    """Whether some :class:`KernelPackage` is registered (a lock-free hint)."""
+    return bool(_package_roots)
+
+
+def infers_package_of(file: str | None) -> KernelPackage | None:
+    """The registered :class:`KernelPackage` whose source holds ``file`` (the file
+    a kernel function is defined in), or None. Cheap when none is registered."""
+    if file is None or not _package_roots:
+        return None
+    with _lock:
+        if file in _package_of_file:
+            return _package_of_file[file]
+        import os
+
+        real = os.path.realpath(file)
+        found = next((package for package, roots in _package_roots.items()
+                      if any(real == root or (root.endswith(os.sep) and real.startswith(root))
+                             for root in roots)), None)
+        _package_of_file[file] = found
+        return found
 
 
 def registrations() -> list[Registration]:

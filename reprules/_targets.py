@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Union
 
-from reprules._registry import FfiTarget, KernelName
+from reprules._registry import FfiTarget, KernelName, KernelPackage
 
 if TYPE_CHECKING:
     from jax.extend.core import Primitive
@@ -29,10 +29,10 @@ class TritonKernel(Protocol):
     def __getitem__(self, grid: Any, /) -> Any: ...
 
 
-KernelLike = Union[Callable[..., Any], FfiTarget, KernelName, "Primitive", TritonKernel]
+KernelLike = Union[Callable[..., Any], FfiTarget, KernelName, KernelPackage, "Primitive", TritonKernel]
 """What a rule can be registered on: a Pallas kernel function, ``reprules.ffi_target(name)``,
-``reprules.kernel_named("module:qualname")``, a ``jax.extend.core.Primitive``, or a
-jax-triton kernel."""
+``reprules.kernel_named("module:qualname")``, ``reprules.kernels_in("pkg")`` (with
+``rules.inferred()``), a ``jax.extend.core.Primitive``, or a jax-triton kernel."""
 
 K = TypeVar("K", bound=KernelLike)
 

@@ -27,6 +27,7 @@ __all__ = [
     "RuleLike",
     "RuleResult",
     "VaryingSet",
+    "inferred",
     "invariant",
     "like",
     "same",
@@ -213,6 +214,34 @@ class invariant:
 
     def __repr__(self) -> str:
         return f"rules.invariant({', '.join(map(repr, self.axes))})"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class inferred:
+    """Derive each kernel's rule from its body, as ``reprules.inference()`` does,
+    for every kernel of a package: ``replication_rule(rules.inferred())(
+    reprules.kernels_in("pkg"))``. Sound or refused: a kernel whose body reads
+    its device index, communicates or holds a primitive reprules does not know
+    gets no rule, and a :class:`reprules.MissingRuleError` says why.
+
+    It is a marker, not a rule of its own: the shim replaces it, call by call,
+    with the rule derived from that call's kernel.
+    """
+
+    def __call__(self, ctx: RuleContext, in_varying: tuple[VaryingSet, ...], /) -> Decision:
+        from reprules._errors import RuleError, fmt_axes
+
+        raise RuleError(  # reprules never calls it; a user calling it by hand learns why
+            f"rules.inferred() was called for kernel {ctx.kernel_name!r} (mesh axes "
+            f"{fmt_axes(ctx.mesh_axes)}, JAX {ctx.jax_version}).\n"
+            "Why: it marks a package whose kernels get rules derived from their bodies; it has no "
+            "answer of its own.\n"
+            "Fix: register it on reprules.kernels_in(\"pkg\"), and give a single kernel a rule such as "
+            "rules.same()."
+        )
+
+    def __repr__(self) -> str:
+        return "rules.inferred()"
 
 
 RuleLike = Union[Rule, Callable[[RuleContext, tuple[VaryingSet, ...]], RuleResult]]

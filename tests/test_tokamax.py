@@ -1,6 +1,8 @@
-"""tokamax's Pallas TPU kernels under ``reprules.inference()`` on CPU (TPU interpret mode).
+"""tokamax's Pallas TPU kernels through reprules' tokamax pack, on CPU (TPU interpret mode).
 
-No rule is registered: every rule is derived from the kernel bodies. Running
+The pack (entry point ``tokamax``, loaded on ``import tokamax``) registers
+``rules.inferred()`` on ``reprules.kernels_in("tokamax")``: every rule is
+derived from a kernel body, with ``reprules.inference()`` off. Running
 tokamax's Mosaic TPU kernels on CPU needs three things besides
 ``pltpu.force_tpu_interpret_mode()``:
 
@@ -24,6 +26,8 @@ correct gradient and exactly the one psum it needs.
 """
 
 import contextlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +53,14 @@ M, K, N = 512, 128, 128  # tokamax's TPU gmm wants every non-group dimension >= 
 @pytest.fixture
 def mesh():
     return make_mesh()
+
+
+@pytest.fixture(autouse=True)
+def pack():
+    """The pack's registration, as on ``import tokamax`` (conftest clears rules after each test)."""
+    from reprules._builtin_packs import tokamax as tokamax_pack
+
+    tokamax_pack.tokamax(tokamax)
 
 
 @pytest.fixture
@@ -108,7 +120,7 @@ def test_ragged_dot_forward_and_gradients_equal_the_reference(mesh, cpu_as_tpu):
     def loss(lhs, rhs):
         return (f(lhs, rhs) * t).sum()
 
-    with cpu_as_tpu(), reprules.inference():
+    with cpu_as_tpu():
         out = jax.jit(f)(lhs, rhs)
         grad = jax.grad(loss, argnums=(0, 1))
         psums = psum_axes(grad, lhs, rhs)
@@ -123,7 +135,7 @@ def test_ragged_dot_forward_and_gradients_equal_the_reference(mesh, cpu_as_tpu):
 def test_ragged_dot_forward_without_the_cast(mesh, cpu_as_tpu):
     lhs, rhs, t = _ragged_inputs(mesh)
     f = shard_map(_ragged_dot(cast_weight=False), mesh, (P("data", None), P()), P("data", None))
-    with cpu_as_tpu(), reprules.inference():
+    with cpu_as_tpu():
         out = jax.jit(f)(lhs, rhs)
     assert max_err(out, _ragged_reference(lhs, rhs, t)[0]) < 1e-3
 
@@ -139,7 +151,7 @@ def test_ragged_dot_weight_gradient_without_the_cast_is_refused_not_wrong(mesh, 
     def loss(rhs):
         return (f(lhs, rhs) * t).sum()
 
-    with cpu_as_tpu(), reprules.inference():
+    with cpu_as_tpu():
         with pytest.raises(reprules.RuleError, match=r"(?s)annotates output 0 as replicated over \{'data'\}.*pcast"):
             jax.jit(jax.grad(loss))(rhs)
 
@@ -152,8 +164,32 @@ def test_router_topk_forward_equals_lax_top_k(mesh, cpu_as_tpu):
         lambda s: router_topk(s, 2, implementation="mosaic_tpu"),
         mesh, P("data", None), (P("data", None), P("data", None)),
     )
-    with cpu_as_tpu(), reprules.inference():
+    with cpu_as_tpu():
         weights, experts = jax.jit(f)(scores)
     ref_weights, ref_experts = jax.lax.top_k(jnp.asarray(scores), 2)
     assert max_err(weights, ref_weights) == 0.0
     assert np.array_equal(np.asarray(experts), np.asarray(ref_experts))
+
+
+def test_the_pack_loads_on_import_tokamax():
+    code = ("import reprules\n"
+            "print(reprules.registered() == {})\n"
+            "import tokamax\n"
+            "status = [p for p in reprules.packs() if p.module == 'tokamax']\n"
+            "print([(p.name, p.state) for p in status])\n"
+            "reg = reprules.registered()['kernels_in:tokamax']\n"
+            "print(reg.rule, reg.source)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [
+        "True",
+        "[('reprules._builtin_packs.tokamax:tokamax', 'loaded')]",
+        "rules.inferred() pack reprules._builtin_packs.tokamax:tokamax",
+    ]
+
+
+def test_without_the_pack_jax_refuses_the_kernel(mesh, cpu_as_tpu):
+    reprules.unregister(reprules.kernels_in("tokamax"))
+    lhs, rhs, t = _ragged_inputs(mesh)
+    f = shard_map(_ragged_dot(cast_weight=False), mesh, (P("data", None), P()), P("data", None))
+    with cpu_as_tpu(), pytest.raises(ValueError, match="manual_axis_type"):
+        jax.jit(f)(lhs, rhs)

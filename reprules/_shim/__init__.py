@@ -94,9 +94,9 @@ def classify(target: object) -> str:
     from jax._src import core
 
     from reprules._errors import RegistrationError
-    from reprules._registry import FfiTarget, KernelName
+    from reprules._registry import FfiTarget, KernelName, KernelPackage
 
-    if isinstance(target, KernelName):
+    if isinstance(target, (KernelName, KernelPackage)):
         return "pallas"
     if isinstance(target, FfiTarget):
         if _common.ffi_call_p() is None:

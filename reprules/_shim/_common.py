@@ -279,12 +279,48 @@ def registration_of(params: dict[str, Any]) -> Registration | None:
     return reg if reg is not None else inferred_registration(params)
 
 
+def infers_function(fn: Any) -> bool:
+    """Whether kernel function ``fn`` gets its rule derived from its body: under
+    ``reprules.inference()``, or when it is defined in a package registered with
+    ``kernels_in(...)``."""
+    from reprules import _mode_state, _registry
+
+    return _mode_state.inferring() or (_registry.has_packages() and _in_inferred_package(fn))
+
+
+def _in_inferred_package(fn: Any) -> bool:
+    import inspect
+
+    from reprules import _registry
+
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+    return code is not None and _registry.infers_package_of(code.co_filename) is not None
+
+
+def infers_call(params: dict[str, Any]) -> bool:
+    """:func:`infers_function` for the kernel of a ``pallas_call_p`` equation: the
+    function JAX traced it from when reprules saw that, else its recorded source file."""
+    from reprules import _mode_state, _registry
+
+    if _mode_state.inferring():
+        return True
+    if not _registry.has_packages() or "jaxpr" not in params:
+        return False
+    with _by_jaxpr_lock:
+        kernel_ref = _by_jaxpr.get(params["jaxpr"])
+    kernel = kernel_ref() if kernel_ref is not None else None
+    if kernel is not None:
+        return _in_inferred_package(kernel)
+    site = _kernel_site(params, kernel_name_from_params(params))
+    return site is not None and _registry.infers_package_of(site[0]) is not None
+
+
 def inferred_registration(params: dict[str, Any]) -> Registration | None:
     """The rule derived from a ``pallas_call_p`` equation's kernel body, if
-    inference is on and the body is provably local; else None."""
-    from reprules import _mode_state
-
-    if not _mode_state.inferring() or "jaxpr" not in params:
+    inference is on for it and the body is provably local; else None."""
+    if "jaxpr" not in params or not infers_call(params):
         return None
     from reprules._shim import infer
 
@@ -294,10 +330,8 @@ def inferred_registration(params: dict[str, Any]) -> Registration | None:
 
 def inference_note(params: dict[str, Any], mesh_axes: Sequence[str]) -> str:
     """Why inference refused a ``pallas_call_p`` equation, for a MissingRuleError;
-    ``""`` if inference is off or derived a rule."""
-    from reprules import _mode_state
-
-    if not _mode_state.inferring() or "jaxpr" not in params:
+    ``""`` if inference is off for it or derived a rule."""
+    if "jaxpr" not in params or not infers_call(params):
         return ""
     from reprules._shim import infer
 
@@ -585,6 +619,7 @@ def install_pallas_hooks(
     """
     from jax._src.pallas import pallas_call as pallas_call_mod
 
+    from reprules import _registry
     from reprules._registry import lookup
 
     # 1. Kernel tracing: where the kernel object is known.
@@ -609,12 +644,17 @@ def install_pallas_hooks(
     def trace_kernel(fun: Any, *args: Any, **kwargs: Any) -> Any:
         result = original_trace(fun, *args, **kwargs)
         reg = lookup(fun)  # None for unregistered kernels and index maps
-        if reg is not None:
+        ref = reg.kernel_ref if reg is not None else None
+        if ref is None and _registry.has_packages() and _in_inferred_package(fun):
+            # A kernels_in(...) kernel: its jaxpr may lose its source file (0.4.28 keeps
+            # none on equations rebuilt by transformations), so remember its function.
+            ref = _weak_or_strong(fun)
+        if ref is not None:
             for item in result:
                 if hasattr(item, "eqns"):  # the kernel jaxpr (or a closed one, and its .jaxpr)
                     for jaxpr in (item, getattr(item, "jaxpr", None)):
                         if hasattr(jaxpr, "eqns"):
-                            _remember(jaxpr, reg.kernel_ref, direct=True)
+                            _remember(jaxpr, ref, direct=True)
         return result
 
     patches.setattr(pallas_call_mod, trace_name, trace_kernel)
@@ -656,6 +696,13 @@ def install_pallas_hooks(
         return convert_out_shape(original_convert, out_shape)
 
     patches.setattr(owner, "_convert_out_shape_to_aval", convert)
+
+
+def _weak_or_strong(fn: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(fn)
+    except TypeError:  # e.g. a functools.partial made for one call: it lives as long as the jaxpr
+        return lambda: fn
 
 
 def _caller_module() -> str | None:

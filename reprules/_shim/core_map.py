@@ -67,7 +67,7 @@ import jax
 
 from reprules import _errors, _mode_state
 from reprules._decide import decide
-from reprules._registry import Registration, lookup
+from reprules._registry import Registration, has_packages, lookup
 from reprules._shim import _common, infer, vma
 from reprules.rules import Decision
 
@@ -187,7 +187,7 @@ def registration_of(params: dict[str, Any]) -> Registration | None:
         reg = lookup(body)
         if reg is not None:
             return reg
-    if _mode_state.inferring():
+    if _mode_state.inferring() or has_packages():
         with _by_jaxpr_lock:
             for jaxpr in _eqn_jaxprs(params):
                 found = _inferred.get(jaxpr)
@@ -467,7 +467,7 @@ class _Hooks:
         out_leaves = jax.tree_util.tree_leaves(local.get("out_shape", ()))
         in_vary = self._in_varying(operands)
         if reg is None:
-            if not _mode_state.inferring():
+            if not _common.infers_function(local.get("body")):
                 return None
             found = _infer_kernel(local, len(operands), len(out_leaves))
             if not isinstance(found, Registration):
@@ -547,7 +547,7 @@ class _Hooks:
             out_types = args[1] if len(args) > 1 else kwargs.get("out_types", ())
             checking = vma.checking()
             # Under inference any body may get a rule; one refused raises at the call.
-            let = checking and (_mode_state.inferring() or any(lookup(fn) is not None for fn in fns))
+            let = checking and any(lookup(fn) is not None or _common.infers_function(fn) for fn in fns)
             token = _letting_through.set(let)
             try:
                 wrapper = original(*args, **kwargs)
@@ -621,7 +621,7 @@ class _Hooks:
             made = _outputs_of(local.get("flat_out_avals"), len(out_avals))
             num_user = len(local.get("flat_args", args))
             if not registered:
-                found = _infer_mpmd(params, args) if _mode_state.inferring() else None
+                found = _infer_mpmd(params, args) if any(map(_common.infers_function, fns)) else None
                 if not isinstance(found, Registration):
                     if any(made.let_through):
                         name = kernel_name(params)

@@ -103,6 +103,14 @@ def register_by_name_and_inference() -> reprules.KernelName:
     return named
 
 
+def register_a_package_by_inference() -> reprules.KernelPackage:
+    """Every kernel defined in a package: rules derived from their bodies."""
+    package = reprules.replication_rule(rules.inferred())(reprules.kernels_in("tokamax"))
+    if TYPE_CHECKING:
+        assert_type(package, reprules.KernelPackage)
+    return package
+
+
 def register_triton_kernel(my_triton_kernel: reprules.TritonKernel) -> reprules.TritonKernel:
     """``jax_triton.triton_call(..., kernel=my_triton_kernel)``: a ``triton.JITFunction``."""
     return reprules.replication_rule()(my_triton_kernel)
