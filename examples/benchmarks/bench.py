@@ -89,6 +89,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import reprules  # noqa: E402
+from reprules import _transformer as _model_helpers  # noqa: E402
 from reprules import rules  # noqa: E402
 
 VARIANTS = ("off", "reprules", "hand", "inference")
@@ -111,35 +112,16 @@ HAND_UNAVAILABLE = None if HAND else (
     f"JAX {jax.__version__} has no vma=/manual_axis_type= on jax.ShapeDtypeStruct (added in JAX 0.6)")
 
 
-def varying(x: Any) -> frozenset[str]:
-    """The mesh axes ``x`` varies over (hand-annotated variants, JAX >= 0.6)."""
-    t = jax.typeof(x)
-    if HAND == "vma":
-        return frozenset(t.vma)
-    return frozenset(t.mat.varying)
-
-
-def cast(x: Any, axes: frozenset[str]) -> Any:
-    """``x`` cast up to vary over ``axes`` (its cotangent is psummed over the added ones)."""
-    missing = tuple(sorted(axes - varying(x)))
-    if not missing:
-        return x
-    if hasattr(jax.lax, "pcast"):  # 0.8+
-        return jax.lax.pcast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)  # 0.6 - 0.7
+# The hand-annotated variants' helpers (JAX >= 0.6), shared with the transformer workload.
+varying = _model_helpers._varying  # the mesh axes a value varies over
+cast = _model_helpers._cast  # a value cast up to vary over more axes (its cotangent psummed over them)
+psum_extra = _model_helpers._psum_extra  # a custom_vjp cotangent summed over the axes its primal lacks
 
 
 def sds(shape: tuple[int, ...], dtype: Any, axes: frozenset[str]) -> jax.ShapeDtypeStruct:
     """An out_shape typed as varying over ``axes``: the hand annotation."""
-    if HAND == "manual_axis_type":
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
-    return jax.ShapeDtypeStruct(shape, dtype, vma=axes)
-
-
-def psum_extra(ct: Any, primal_axes: frozenset[str]) -> Any:
-    """Sums a custom_vjp cotangent over the axes its primal does not vary over."""
-    extra = tuple(sorted(varying(ct) - primal_axes))
-    return jax.lax.psum(ct, extra) if extra else ct
+    out: jax.ShapeDtypeStruct = _model_helpers._sds(shape, dtype, axes)
+    return out
 
 
 def randn(seed: int, shape: tuple[int, ...], scale: float = 1.0) -> Any:
