@@ -175,6 +175,32 @@ def test_aliased_output_depends_on_its_input(mesh):
         assert max_err(jax.jit(ok)(x, w), np.asarray(x) + np.tile(np.asarray(w), (4, 1))) < 1e-6
 
 
+def test_a_write_through_the_aliased_input_ref_reaches_the_output(mesh):
+    """An input aliased to an output is the output's buffer on the device: a
+    kernel that writes through the *input* ref (here w += x, with the output ref
+    unused, as tokamax's proj_and_save_state DMAs into its aliased cache) makes
+    the output depend on x. Typed by the output ref alone it would be replicated
+    while it varies over data (caught by the out_specs check below). JAX's CPU
+    interpreter keeps the two refs apart, so only the type is checked here."""
+    x = put(randn(0, (8, 16)), mesh, P("data", None))  # (2, 16) per data shard
+    w = put(randn(1, (2, 16)), mesh, P())
+
+    def accumulate_into_w(x, w):
+        def kernel(x_ref, w_ref, o_ref):
+            del o_ref  # the output is w's buffer
+            w_ref[...] = w_ref[...] + x_ref[...]
+
+        out = jax.ShapeDtypeStruct(w.shape, w.dtype)
+        return pl.pallas_call(kernel, out_shape=out, interpret=True, input_output_aliases={1: 0})(x, w)
+
+    f = shard_map(accumulate_into_w, mesh, (P("data", None), P()), P())
+    with reprules.inference(), pytest.raises(ValueError, match="out_specs"):
+        jax.jit(f)(x, w)  # typed varying over data: not claimed replicated
+    ok = shard_map(accumulate_into_w, mesh, (P("data", None), P()), P("data", None))
+    with reprules.inference():
+        jax.jit(ok)(x, w)
+
+
 def test_a_kernel_reading_its_device_index_is_refused(mesh):
     x = put(randn(0, (8, 16)), mesh, P("data", None))
 
@@ -244,7 +270,7 @@ def test_each_kernel_body_is_analysed_once(mesh, monkeypatch):
 
     calls = []
     original = infer._summarize
-    monkeypatch.setattr(infer, "_summarize", lambda jaxpr: calls.append(jaxpr) or original(jaxpr))
+    monkeypatch.setattr(infer, "_summarize", lambda jaxpr, *rest: calls.append(jaxpr) or original(jaxpr, *rest))
     x = put(randn(0, (8, 16)), mesh, P("data", None))
 
     def kernel(x_ref, o_ref):

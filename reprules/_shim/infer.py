@@ -548,40 +548,55 @@ class _Summary:
     ref_depends: tuple[Taint | None, ...]  # None for invars that are not refs
 
 
-def summarize(jaxpr: Any) -> _Summary | Refusal:
+SameMemory = tuple[frozenset[int], ...]
+"""Groups of operand positions that are one buffer (an input aliased to an output)."""
+
+
+def summarize(jaxpr: Any, same_memory: SameMemory = ()) -> _Summary | Refusal:
     """What each ref invar of a kernel jaxpr holds at the end, in terms of the
     initial contents of the kernel's invars (token ``k`` for invar ``k``).
 
     The operands are the jaxpr's constvars, then its invars: a ``pl.kernel``
     body traced by ``pl.core_map`` (JAX 0.8 - 0.9) takes its refs as constvars
-    and its scratch buffers (0.9) as invars."""
+    and its scratch buffers (0.9) as invars. The refs of each group in
+    ``same_memory`` are one buffer on the device (``input_output_aliases``): a
+    write through either is seen through both, so they are analysed as one."""
     with _cache_lock:
         try:
-            cached = _cache.get(jaxpr)
+            cached = _cache.get(jaxpr, {}).get(same_memory)
         except TypeError:
             cached = None
     if cached is not None:
         return cached
-    result = _summarize(jaxpr)
+    result = _summarize(jaxpr, same_memory)
     with _cache_lock:
         try:
-            _cache[jaxpr] = result
+            _cache.setdefault(jaxpr, {})[same_memory] = result
         except TypeError:  # not weak-referenceable: analysed again next time
             pass
     return result
 
 
-_cache: weakref.WeakKeyDictionary[Any, _Summary | Refusal] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Any, dict[SameMemory, _Summary | Refusal]] = weakref.WeakKeyDictionary()
 _cache_lock = threading.Lock()
 
 
-def _summarize(jaxpr: Any) -> _Summary | Refusal:
+def _summarize(jaxpr: Any, same_memory: SameMemory) -> _Summary | Refusal:
     analysis = _Analysis()
     env: dict[Any, Any] = {}
     ref_ids: list[int | None] = []
-    for k, v in enumerate([*jaxpr.constvars, *jaxpr.invars]):
+    operands = [*jaxpr.constvars, *jaxpr.invars]
+    group_of = {k: group for group in same_memory for k in group}
+    shared: dict[frozenset[int], int] = {}  # one buffer per group
+    for k, v in enumerate(operands):
         if _is_ref(v):
-            rid = analysis.new_ref(v, frozenset({k}))
+            group = group_of.get(k)
+            if group is not None and all(g < len(operands) and _is_ref(operands[g]) for g in group):
+                if group not in shared:
+                    shared[group] = analysis.new_ref(v, frozenset(group))
+                rid = shared[group]
+            else:
+                rid = analysis.new_ref(v, frozenset({k}))
             env[v] = ("ref", rid)
             ref_ids.append(rid)
         else:
@@ -610,7 +625,9 @@ def for_pallas_call(params: dict[str, Any]) -> InferredRule | Refusal:
     jaxpr = params["jaxpr"]
     if getattr(jaxpr, "constvars", ()):
         return Refusal("pallas_call", "has a kernel jaxpr with constants, which inference does not track", "")
-    summary = summarize(jaxpr)
+    aliases = {int(o): int(i) for i, o in params.get("input_output_aliases", ())}
+    # An aliased input and its output are one buffer: the kernel may write either ref.
+    summary = summarize(jaxpr, tuple(frozenset({i, num_user + o}) for o, i in sorted(aliases.items())))
     if isinstance(summary, Refusal):
         return summary
     num_scratch = int(getattr(gm, "num_scratch_operands", 0) or 0)
@@ -630,7 +647,6 @@ def for_pallas_call(params: dict[str, Any]) -> InferredRule | Refusal:
         index_map is not None and _uses_any(_jaxpr_and_consts(index_map)[0], skip=len(getattr(gm, "grid", ())))
         for index_map in index_maps
     )
-    aliases = {int(o): int(i) for i, o in params.get("input_output_aliases", ())}
     depends: list[frozenset[int]] = []
     for i in range(num_out):
         tokens = summary.ref_depends[num_user + i]
@@ -706,8 +722,15 @@ def for_kernel_bodies(jaxprs: Sequence[Any], roles: Sequence[tuple[str, int]], n
     Output ``j`` then varies over the operands its final contents depend on.
     """
     depends: list[set[int]] = [set() for _ in range(num_out)]
+    position = {role: k for k, role in enumerate(roles)}
+    # An operand aliased to an output is that output's buffer: the body may write either ref.
+    same_memory = tuple(
+        frozenset({position[kind, i], position["out", j]})
+        for j, i in sorted(aliases.items())
+        for kind in ("in", "ref") if (kind, i) in position and ("out", j) in position
+    )
     for jaxpr in jaxprs:
-        summary = summarize(jaxpr)
+        summary = summarize(jaxpr, same_memory)
         if isinstance(summary, Refusal):
             return summary
         if len(summary.ref_depends) != len(roles):
