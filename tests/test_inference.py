@@ -201,6 +201,16 @@ def test_a_write_through_the_aliased_input_ref_reaches_the_output(mesh):
         jax.jit(ok)(x, w)
 
 
+def test_an_alias_between_operands_that_are_not_both_refs_is_refused():
+    """Analysed apart, a write through one would not reach the other: no guess."""
+    from reprules._shim import infer
+
+    closed = jax.make_jaxpr(lambda a, b: a + b)(1.0, 2.0)  # two values, no refs
+    found = infer.summarize(closed.jaxpr, (frozenset({0, 1}),))
+    assert isinstance(found, infer.Refusal) and found.primitive == "input_output_aliases"
+    assert "not both references" in found.reason
+
+
 def test_a_kernel_reading_its_device_index_is_refused(mesh):
     x = put(randn(0, (8, 16)), mesh, P("data", None))
 

@@ -151,12 +151,7 @@ _ENTRY_POINTS = ("pallas_call", "core_map", "triton_call", "ffi_call")
 def _calls_entry_point(fn: object) -> str | None:
     """The kernel entry point (``pallas_call`` ...) that ``fn``'s code names, if any:
     a kernel body never launches a kernel, so such a function is a wrapper."""
-    import functools
-    import inspect
-
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    code = getattr(inspect.unwrap(fn), "__code__", None)  # type: ignore[arg-type]
+    code = _common.code_of(fn)
     pending = [code] if code is not None else []
     while pending:
         code = pending.pop()

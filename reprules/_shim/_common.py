@@ -289,14 +289,19 @@ def infers_function(fn: Any) -> bool:
 
 
 def _in_inferred_package(fn: Any) -> bool:
-    import inspect
-
     from reprules import _registry
+
+    code = code_of(fn)
+    return code is not None and _registry.infers_package_of(code.co_filename) is not None
+
+
+def code_of(fn: Any) -> Any:
+    """The code object of a kernel function, through partials and ``functools.wraps``; else None."""
+    import inspect
 
     while isinstance(fn, functools.partial):
         fn = fn.func
-    code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
-    return code is not None and _registry.infers_package_of(code.co_filename) is not None
+    return getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
 
 
 def infers_call(params: dict[str, Any]) -> bool:
@@ -434,12 +439,7 @@ def _kernel_site(params: dict[str, Any], name: str) -> tuple[str, int, bool] | N
 
 
 def _could_be(reg: Registration, name: str, site: tuple[str, int, bool] | None) -> bool:
-    import inspect
-
-    kernel: Any = reg.kernel()
-    while isinstance(kernel, functools.partial):
-        kernel = kernel.func
-    code = getattr(inspect.unwrap(kernel), "__code__", None) if callable(kernel) else None
+    code = code_of(reg.kernel())
     if site is None or code is None:
         return reg.name == name
     file, line, exact = site

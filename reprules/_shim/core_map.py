@@ -280,11 +280,7 @@ def _calls_registered_core_map(jaxpr: Any) -> bool:
 
 def _definition_site(body: Any) -> str:
     """``file:line`` where ``body`` (or the function a partial wraps) is defined, or ``""``."""
-    import inspect
-
-    while isinstance(body, functools.partial):
-        body = body.func
-    code = getattr(inspect.unwrap(body), "__code__", None) if callable(body) else None
+    code = _common.code_of(body)
     return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
 
 

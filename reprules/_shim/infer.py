@@ -586,12 +586,16 @@ def _summarize(jaxpr: Any, same_memory: SameMemory) -> _Summary | Refusal:
     env: dict[Any, Any] = {}
     ref_ids: list[int | None] = []
     operands = [*jaxpr.constvars, *jaxpr.invars]
+    if any(k >= len(operands) or not _is_ref(operands[k]) for group in same_memory for k in group):
+        # Analysed apart, a write through one would not reach the other: refuse, never guess.
+        return Refusal("input_output_aliases", "pairs an input with an output whose kernel operands "
+                       "are not both references, which inference does not track", "")
     group_of = {k: group for group in same_memory for k in group}
     shared: dict[frozenset[int], int] = {}  # one buffer per group
     for k, v in enumerate(operands):
         if _is_ref(v):
             group = group_of.get(k)
-            if group is not None and all(g < len(operands) and _is_ref(operands[g]) for g in group):
+            if group is not None:
                 if group not in shared:
                     shared[group] = analysis.new_ref(v, frozenset(group))
                 rid = shared[group]
