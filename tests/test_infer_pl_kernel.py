@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import reprules
 from helpers import count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
 from reprules import rules
-from test_pl_kernel import CAN_INTERPRET, HAS_KERNEL, MPMD, pltpu, sds, tc_mesh
+from test_pl_kernel import CAN_INTERPRET, HAS_KERNEL, JAX_VERSION, MPMD, pltpu, sds, tc_mesh
 
 pytestmark = pytest.mark.skipif(
     not (HAS_KERNEL and CAN_INTERPRET), reason=f"JAX {jax.__version__} has no pl.kernel (added in JAX 0.8)"
@@ -116,6 +116,29 @@ def indexed(x):
         pl.run_scoped(scoped, pltpu.VMEM(x_ref.shape, x_ref.dtype))
 
     return pl.kernel(body, sds(x), mesh=tc_mesh())(x)
+
+
+def per_core(x, axis="core"):
+    """Each of the kernel's two cores doubles its half of ``x`` and adds its core index."""
+    half = x.shape[0] // 2
+
+    def body(x_ref, o_ref):
+        core = jax.lax.axis_index(axis)  # the kernel's own mesh axis
+
+        def scoped(buf):
+            pltpu.sync_copy(x_ref.at[pl.ds(core * half, half)], buf)
+            buf[...] = buf[...] * 2.0 + core.astype(jnp.float32)
+            pltpu.sync_copy(buf, o_ref.at[pl.ds(core * half, half)])
+
+        pl.run_scoped(scoped, pltpu.VMEM((half, x.shape[1]), x.dtype))
+
+    return pl.kernel(body, sds(x), mesh=tc_mesh(axis, num_cores=2))(x)
+
+
+def per_core_reference(x):
+    """``per_core`` on one shard of ``x`` (rows), in NumPy."""
+    half = x.shape[0] // 2
+    return np.concatenate([x[:half] * 2.0, x[half:] * 2.0 + 1.0])
 
 
 def remote(x):
@@ -276,7 +299,7 @@ def test_verify_checks_inferred_rules(mesh, monkeypatch):
     # A wrong derivation (impossible by construction, so forced here) must be caught. Forced
     # for the pallas_call JAX 0.8 discharges the body into too, so that both levels agree.
     monkeypatch.setattr(infer, "for_kernel_bodies", lambda *a: infer.InferredRule((frozenset(),), 1))
-    monkeypatch.setattr(infer, "for_pallas_call", lambda params: infer.InferredRule(
+    monkeypatch.setattr(infer, "for_pallas_call", lambda params, *axes: infer.InferredRule(
         (frozenset(),) * _common.pallas_counts(params)[1], _common.pallas_counts(params)[0]))
     x = put(randn(0, (8, 128)), mesh, P("data", None))
     f = shard_map(scale, mesh, P("data", None), P())
@@ -314,6 +337,36 @@ def test_a_body_that_communicates_is_refused(mesh):
     assert "'body'" in message and "`dma_start`" in message and "test_infer_pl_kernel.py" in message
     assert "communicates with another device (it has a device_id)" in message
     assert "rules.invariant('model')" in message and f"JAX {jax.__version__}" in message
+
+
+OWN_AXIS_INDEX = pytest.mark.skipif(not MPMD, reason=(
+    f"JAX {jax.__version__}: its own check_vma fails on axis_index of a pl.kernel's core axis "
+    "(AssertionError in pvary, with or without reprules); it works from JAX 0.10"))
+
+
+@OWN_AXIS_INDEX
+def test_a_body_reading_its_own_core_index_is_local(mesh):
+    x = put(randn(0, (16, 128)), mesh, P("data", None))
+    with reprules.inference():
+        y = jax.jit(shard_map(per_core, mesh, P("data", None), P("data", None)))(x)
+        with pytest.raises(ValueError, match="out_specs"):  # x varies over data: so does the output
+            jax.make_jaxpr(shard_map(per_core, mesh, P("data", None), P()))(x)
+    shards = np.asarray(x).reshape(4, 4, 128)
+    assert max_err(y, np.concatenate([per_core_reference(s) for s in shards])) == 0.0
+
+    w = put(randn(1, (8, 128)), mesh, P())  # replicated in: the core index keeps it replicated
+    with reprules.inference():
+        z = jax.jit(shard_map(per_core, mesh, P(), P()))(w)
+    assert max_err(z, per_core_reference(np.asarray(w))) == 0.0
+
+
+@OWN_AXIS_INDEX
+def test_a_kernel_axis_named_like_a_mesh_axis_is_refused(mesh):
+    x = put(randn(0, (16, 128)), mesh, P("data", None))
+    f = shard_map(lambda x: per_core(x, axis="model"), mesh, P("data", None), P("data", None))
+    message = _refusal(f, x)  # which 'model' it reads cannot be told apart: cautious
+    assert "`axis_index`" in message and "its index on mesh axis 'model'" in message
+    assert "'data', 'model'" in message and f"JAX {jax.__version__}" in message
 
 
 @pytest.mark.skipif(MPMD, reason="JAX 0.8 - 0.9 accept a rule-less pl.kernel (typed replicated)")

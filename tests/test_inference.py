@@ -231,6 +231,43 @@ def test_a_kernel_reading_its_device_index_is_refused(mesh):
     assert "rules.varying('model')" in message  # the fix
 
 
+def stepped(x, axis="i"):
+    """A kernel over a named grid axis: step ``i`` doubles block ``i`` and adds ``i``."""
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0 + jax.lax.axis_index(axis).astype(jnp.float32)
+
+    block = pl.BlockSpec((x.shape[0] // 2, x.shape[1]), lambda i: (i, 0))
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=((axis, 2),),
+                          in_specs=[block], out_specs=block, interpret=True)(x)
+
+
+@pytest.mark.skipif(not NEW_SHARD_MAP, reason=(
+    f"JAX {jax.__version__} < 0.6: reprules cannot see the enclosing mesh, so it refuses "
+    "axis_index over any axis (tested below)"))
+def test_axis_index_over_a_named_grid_axis_is_local(mesh):
+    # Traced and typed only: JAX's interpret mode cannot run a named grid
+    # ("unbound axis name"); a pl.kernel core index runs in test_infer_pl_kernel.
+    x = put(randn(0, (16, 16)), mesh, P("data", None))
+    with reprules.inference():
+        jax.make_jaxpr(shard_map(stepped, mesh, P("data", None), P("data", None)))(x)
+        with pytest.raises(ValueError, match="out_specs"):  # x varies over data: so does the output
+            jax.make_jaxpr(shard_map(stepped, mesh, P("data", None), P()))(x)
+        w = put(randn(1, (8, 16)), mesh, P())
+        jax.make_jaxpr(shard_map(stepped, mesh, P(), P()))(w)  # replicated in, replicated out
+
+
+def test_a_grid_axis_named_like_a_mesh_axis_is_refused(mesh):
+    x = put(randn(0, (16, 16)), mesh, P("data", None))
+    names = ("model",) if NEW_SHARD_MAP else ("model", "i")  # < 0.6: every axis_index is refused
+    for name in names:
+        f = shard_map(functools.partial(stepped, axis=name), mesh, P("data", None), P("data", None))
+        with reprules.inference(), pytest.raises(reprules.MissingRuleError) as info:
+            jax.make_jaxpr(f)(x)
+        message = str(info.value)
+        assert "`axis_index`" in message and f"its index on mesh axis {name!r}" in message
+        assert "'data', 'model'" in message and f"JAX {jax.__version__}" in message
+
+
 def test_a_kernel_that_communicates_is_refused(mesh):
     x = put(randn(0, (8, 16)), mesh, P("data", None))
 
@@ -312,7 +349,7 @@ def test_verify_checks_inferred_rules(mesh, monkeypatch):
     from reprules._shim import infer
 
     # A wrong derivation (impossible by construction, so forced here) must be caught.
-    monkeypatch.setattr(infer, "for_pallas_call", lambda params: infer.InferredRule((frozenset(),), 1))
+    monkeypatch.setattr(infer, "for_pallas_call", lambda params, *axes: infer.InferredRule((frozenset(),), 1))
     x = put(randn(0, (8, 16)), mesh, P("data", None))
     f = shard_map(fresh_copy, mesh, P("data", None), P())
     with pytest.raises(reprules.ReplicationMismatchError, match="'data'"):

@@ -58,12 +58,12 @@ def _tpu_interpret():
         yield
 
 
-def tc_mesh():
-    """A one-core TensorCore mesh (the kernel's own mesh, not the shard_map's)."""
+def tc_mesh(axis="core", num_cores=1):
+    """A TensorCore mesh (the kernel's own mesh, not the shard_map's), one core by default."""
     mesh_type = getattr(pltpu, "TensorCoreMesh", None)  # 0.11+: create_tensorcore_mesh deprecated
     if mesh_type is not None and "axis_name" in inspect.signature(mesh_type).parameters:
-        return mesh_type(axis_name="core", num_cores=1)
-    return pltpu.create_tensorcore_mesh("core", num_cores=1)
+        return mesh_type(axis_name=axis, num_cores=num_cores)
+    return pltpu.create_tensorcore_mesh(axis, num_cores=num_cores)
 
 
 def sds(x, varying=None):

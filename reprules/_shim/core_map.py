@@ -690,6 +690,7 @@ def _infer_mpmd(params: dict[str, Any], args: Sequence[Any]) -> Registration | i
     num_in, num_out = len(args), len(params.get("out_avals", ()))
     is_ref = tuple(_is_ref(a) for a in args)
     aliases = {int(o): int(i) for i, o in dict(params.get("input_output_aliases") or {}).items()}
+    kernel_axes = infer.own_axes(_mesh_axes(*params.get("meshes", ())))
 
     def derive() -> infer.InferredRule | infer.Refusal:
         if not jaxprs:
@@ -697,9 +698,9 @@ def _infer_mpmd(params: dict[str, Any], args: Sequence[Any]) -> Registration | i
         num_scratch = len(jaxprs[0].invars) - num_in - num_out
         roles = [("ref" if r else "in", i) for i, r in enumerate(is_ref)]
         roles += [("out", j) for j in range(num_out)] + [("scratch", 0)] * max(num_scratch, 0)
-        return infer.for_kernel_bodies(jaxprs, roles, num_in, num_out, aliases)
+        return infer.for_kernel_bodies(jaxprs, roles, num_in, num_out, aliases, kernel_axes)
 
-    key = ("mpmd_map", is_ref, num_out, tuple(sorted(aliases.items())))
+    key = ("mpmd_map", is_ref, num_out, tuple(sorted(aliases.items())), kernel_axes)
     return infer.kernel_registration(jaxprs, key, kernel_name(params), derive)
 
 
@@ -782,8 +783,14 @@ def _infer_kernel(local: dict[str, Any], num_in: int, num_out: int) -> Registrat
                              "as operands), which inference does not track", "")
     # The body's invars are the scratch buffers core_map allocates itself (0.9).
     operand_roles = [roles[v] for v in eqn.invars] + [("scratch", 0)] * len(body_jaxpr.invars)
-    derived = infer.for_kernel_bodies((body_jaxpr,), operand_roles, num_in, num_out, {})
-    return infer.kernel_registration((body_jaxpr,), "core_map", name, lambda: derived)
+    kernel_axes = infer.own_axes(_mesh_axes(eqn.params.get("mesh")))
+    derived = infer.for_kernel_bodies((body_jaxpr,), operand_roles, num_in, num_out, {}, kernel_axes)
+    return infer.kernel_registration((body_jaxpr,), ("core_map", kernel_axes), name, lambda: derived)
+
+
+def _mesh_axes(*meshes: Any) -> list[Any]:
+    """The axis names of Pallas kernel meshes (each has a ``shape`` mapping)."""
+    return [name for mesh in meshes for name in dict(getattr(mesh, "shape", None) or {})]
 
 
 def _forget_outputs(key: int, avals: tuple[Any, ...]) -> None:

@@ -314,8 +314,9 @@ def _jaxpr_and_consts(value: Any) -> tuple[Any, Sequence[Any]]:
 class _Analysis:
     """Taints of the values and refs of one kernel jaxpr, to a fixpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, own_axes: frozenset[str] = frozenset()) -> None:
         self.tables = _tables()
+        self.own_axes = own_axes  # the kernel's own mesh or grid axes (see own_axes())
         self.ref_taint: dict[int, Taint] = {}
         self.changed = False
         self._by_var: dict[Any, int] = {}
@@ -366,7 +367,11 @@ class _Analysis:
         if prim in t["higher_order"]:
             return self.higher_order(eqn, ins, ctrl)
         if prim in t["identity"]:
-            raise _refuse(eqn, "reads the device's identity (its index on a mesh axis), so its "
+            axis = eqn.params.get("axis_name")
+            if prim.name == "axis_index" and axis in self.own_axes:
+                return [ctrl]  # which core or grid step of this kernel: the same on every device
+            on = f"on mesh axis {axis!r}" if isinstance(axis, str) else "on a mesh axis"
+            raise _refuse(eqn, f"reads the device's identity (its index {on}), so its "
                                "outputs can differ between devices with equal inputs")
         if prim in t["casts"] and not _is_type_cast(eqn):
             raise _refuse(eqn, "changes a value's sharding over mesh axes that are not manual, "
@@ -552,7 +557,24 @@ SameMemory = tuple[frozenset[int], ...]
 """Groups of operand positions that are one buffer (an input aliased to an output)."""
 
 
-def summarize(jaxpr: Any, same_memory: SameMemory = ()) -> _Summary | Refusal:
+def own_axes(names: Iterable[Any]) -> frozenset[str]:
+    """The axes among ``names`` (a kernel's own mesh or grid axes) whose
+    ``axis_index`` inference may read as local: the kernel's cores or grid
+    steps, which run alike on every device. An axis that shares its name with
+    an axis of the enclosing mesh is left out (``axis_index`` of it is refused),
+    and so is every axis on JAX < 0.6, where reprules cannot see that mesh."""
+    from reprules._shim import _common
+
+    names = frozenset(n for n in names if isinstance(n, str))
+    if not names or _common.version_tuple()[:2] < (0, 6):
+        return frozenset()
+    from jax._src import mesh as mesh_lib
+
+    return names - frozenset(mesh_lib.get_abstract_mesh().axis_names)
+
+
+def summarize(jaxpr: Any, same_memory: SameMemory = (),
+              kernel_axes: frozenset[str] = frozenset()) -> _Summary | Refusal:
     """What each ref invar of a kernel jaxpr holds at the end, in terms of the
     initial contents of the kernel's invars (token ``k`` for invar ``k``).
 
@@ -560,29 +582,32 @@ def summarize(jaxpr: Any, same_memory: SameMemory = ()) -> _Summary | Refusal:
     body traced by ``pl.core_map`` (JAX 0.8 - 0.9) takes its refs as constvars
     and its scratch buffers (0.9) as invars. The refs of each group in
     ``same_memory`` are one buffer on the device (``input_output_aliases``): a
-    write through either is seen through both, so they are analysed as one."""
+    write through either is seen through both, so they are analysed as one.
+    ``axis_index`` over one of ``kernel_axes`` (from :func:`own_axes`) is local."""
+    key = (same_memory, kernel_axes)
     with _cache_lock:
         try:
-            cached = _cache.get(jaxpr, {}).get(same_memory)
+            cached = _cache.get(jaxpr, {}).get(key)
         except TypeError:
             cached = None
     if cached is not None:
         return cached
-    result = _summarize(jaxpr, same_memory)
+    result = _summarize(jaxpr, same_memory, kernel_axes)
     with _cache_lock:
         try:
-            _cache.setdefault(jaxpr, {})[same_memory] = result
+            _cache.setdefault(jaxpr, {})[key] = result
         except TypeError:  # not weak-referenceable: analysed again next time
             pass
     return result
 
 
-_cache: weakref.WeakKeyDictionary[Any, dict[SameMemory, _Summary | Refusal]] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Any, dict[tuple[SameMemory, frozenset[str]], _Summary | Refusal]] = (
+    weakref.WeakKeyDictionary())
 _cache_lock = threading.Lock()
 
 
-def _summarize(jaxpr: Any, same_memory: SameMemory) -> _Summary | Refusal:
-    analysis = _Analysis()
+def _summarize(jaxpr: Any, same_memory: SameMemory, kernel_axes: frozenset[str]) -> _Summary | Refusal:
+    analysis = _Analysis(kernel_axes)
     env: dict[Any, Any] = {}
     ref_ids: list[int | None] = []
     operands = [*jaxpr.constvars, *jaxpr.invars]
@@ -620,8 +645,9 @@ def _summarize(jaxpr: Any, same_memory: SameMemory) -> _Summary | Refusal:
 # -- a pallas_call ---------------------------------------------------------------
 
 
-def for_pallas_call(params: dict[str, Any]) -> InferredRule | Refusal:
-    """The rule derived for one ``pallas_call_p`` equation, or why there is none."""
+def for_pallas_call(params: dict[str, Any], kernel_axes: frozenset[str] = frozenset()) -> InferredRule | Refusal:
+    """The rule derived for one ``pallas_call_p`` equation, or why there is none.
+    ``kernel_axes``: :func:`own_axes` of its named grid axes."""
     from reprules._shim import _common
 
     gm = params.get("grid_mapping")
@@ -631,7 +657,8 @@ def for_pallas_call(params: dict[str, Any]) -> InferredRule | Refusal:
         return Refusal("pallas_call", "has a kernel jaxpr with constants, which inference does not track", "")
     aliases = {int(o): int(i) for i, o in params.get("input_output_aliases", ())}
     # An aliased input and its output are one buffer: the kernel may write either ref.
-    summary = summarize(jaxpr, tuple(frozenset({i, num_user + o}) for o, i in sorted(aliases.items())))
+    summary = summarize(jaxpr, tuple(frozenset({i, num_user + o}) for o, i in sorted(aliases.items())),
+                        kernel_axes)
     if isinstance(summary, Refusal):
         return summary
     num_scratch = int(getattr(gm, "num_scratch_operands", 0) or 0)
@@ -644,7 +671,7 @@ def for_pallas_call(params: dict[str, Any]) -> InferredRule | Refusal:
     for index_map in index_maps:
         if index_map is not None:
             try:
-                _Analysis().check_local(index_map)
+                _Analysis(kernel_axes).check_local(index_map)
             except _Refused as refused:
                 return refused.refusal
     reads_prefetch = num_index and any(
@@ -675,7 +702,8 @@ def registration(params: dict[str, Any]) -> Registration | Refusal:
     from reprules._shim import _common
 
     jaxpr = params.get("jaxpr")
-    key = (params.get("input_output_aliases"), id(params.get("grid_mapping")))
+    kernel_axes = own_axes(getattr(params.get("grid_mapping"), "grid_names", None) or ())
+    key = (params.get("input_output_aliases"), id(params.get("grid_mapping")), kernel_axes)
     with _cache_lock:
         try:
             for known_key, grid_mapping, known in _registrations.get(jaxpr, ()):
@@ -683,7 +711,7 @@ def registration(params: dict[str, Any]) -> Registration | Refusal:
                     return known
         except TypeError:  # not weak-referenceable
             pass
-    derived = for_pallas_call(params)
+    derived = for_pallas_call(params, kernel_axes)
     result: Registration | Refusal
     if isinstance(derived, Refusal):
         result = derived
@@ -709,7 +737,8 @@ def _no_kernel() -> None:
 
 
 def for_kernel_bodies(jaxprs: Sequence[Any], roles: Sequence[tuple[str, int]], num_in: int,
-                      num_out: int, aliases: dict[int, int]) -> InferredRule | Refusal:
+                      num_out: int, aliases: dict[int, int],
+                      kernel_axes: frozenset[str] = frozenset()) -> InferredRule | Refusal:
     """The rule derived for a ``pl.kernel`` call whose bodies (one, or several for
     MPMD: they all run, so an output depends on what any of them writes) take
     their operands in one layout: ``roles[k]`` says what operand ``k`` of every
@@ -724,6 +753,7 @@ def for_kernel_bodies(jaxprs: Sequence[Any], roles: Sequence[tuple[str, int]], n
     * ``("scratch", 0)``: memory of the kernel's own.
 
     Output ``j`` then varies over the operands its final contents depend on.
+    ``kernel_axes``: :func:`own_axes` of the kernel's mesh axes.
     """
     depends: list[set[int]] = [set() for _ in range(num_out)]
     position = {role: k for k, role in enumerate(roles)}
@@ -734,7 +764,7 @@ def for_kernel_bodies(jaxprs: Sequence[Any], roles: Sequence[tuple[str, int]], n
         for kind in ("in", "ref") if (kind, i) in position and ("out", j) in position
     )
     for jaxpr in jaxprs:
-        summary = summarize(jaxpr, same_memory)
+        summary = summarize(jaxpr, same_memory, kernel_axes)
         if isinstance(summary, Refusal):
             return summary
         if len(summary.ref_depends) != len(roles):
