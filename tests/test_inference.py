@@ -268,6 +268,45 @@ def test_a_grid_axis_named_like_a_mesh_axis_is_refused(mesh):
         assert "'data', 'model'" in message and f"JAX {jax.__version__}" in message
 
 
+try:
+    from jax.experimental.pallas import tpu_sc as plsc  # SparseCore, 0.8+
+except ImportError:
+    plsc = None
+
+
+def looped(n, x, *, carried=False):
+    """Writes ``2 x[i]`` for ``i < n[0]`` in a SparseCore ``parallel_loop`` (or, ``carried``,
+    sums ``x[i]`` into a loop carry and writes that)."""
+    def kernel(n_ref, x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        if carried:
+            total = plsc.parallel_loop(0, n_ref[0], carry=jnp.zeros(x.shape[1:], x.dtype))(
+                lambda i, acc: acc + x_ref[i])
+            o_ref[0] = total
+        else:
+            @plsc.parallel_loop(0, n_ref[0])
+            def _(i):
+                o_ref[i] = x_ref[i] * 2.0
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(n, x)
+
+
+@pytest.mark.skipif(plsc is None, reason=f"JAX {jax.__version__} has no SparseCore parallel_loop")
+@pytest.mark.parametrize("carried", [False, True], ids=["writes", "carry"])
+def test_a_sparsecore_parallel_loop_is_followed(mesh, carried):
+    # Traced and typed only: parallel_loop lowers to SparseCore, not to CPU.
+    n_rep, n_var = put(np.array([3], np.int32), mesh, P()), put(np.arange(4, dtype=np.int32), mesh, P("data"))
+    x_rep, x_var = put(randn(0, (8, 16)), mesh, P()), put(randn(1, (32, 16)), mesh, P("data", None))
+    body = functools.partial(looped, carried=carried)
+    with reprules.inference():
+        jax.make_jaxpr(shard_map(body, mesh, (P(), P()), P()))(n_rep, x_rep)  # nothing varies
+        for n, x, specs in ((n_rep, x_var, (P(), P("data", None))),  # what the loop writes varies
+                            (n_var, x_rep, (P("data"), P()))):  # how far the loop runs varies
+            jax.make_jaxpr(shard_map(body, mesh, specs, P("data", None)))(n, x)
+            with pytest.raises(ValueError, match="out_specs"):
+                jax.make_jaxpr(shard_map(body, mesh, specs, P()))(n, x)
+
+
 def test_a_kernel_that_communicates_is_refused(mesh):
     x = put(randn(0, (8, 16)), mesh, P("data", None))
 

@@ -156,6 +156,12 @@ _LOCAL_NAMED = (
     ("jax._src.pallas.primitives", "swap_p"),
     ("jax._src.pallas.primitives", "masked_load_p"),
     ("jax._src.pallas.primitives", "masked_swap_p"),
+    # SparseCore (0.9+): vector ops within one subcore's registers ("all_reduce" here is
+    # across a vector's lanes), and its own memory reads and writes.
+    *(("jax._src.pallas.mosaic.sc_primitives", name) for name in (
+        "scan_count_p", "masked_cummax_p", "masked_cummin_p", "masked_cumsum_p", "masked_sort_p",
+        "pack_p", "unpack_p", "all_reduce_population_count_p", "all_reduce_ffs_p",
+        "load_p", "swap_p", "gather_p", "scatter_p")),
     ("jax._src.pallas.primitives", "atomic_rmw_p"),  # atomic within this device's memory
     ("jax._src.pallas.primitives", "atomic_cas_p"),
     ("jax._src.pallas.primitives", "max_contiguous_p"),
@@ -272,6 +278,7 @@ def _tables() -> dict[str, dict[Any, tuple[Any, ...]]]:
             ("jax._src.custom_derivatives", "custom_vjp_call_p"),
             ("jax._src.custom_derivatives", "custom_vjp_call_jaxpr_p"),
             ("jax._src.lax.lax", "composite_p"),
+            ("jax._src.pallas.mosaic.sc_primitives", "parallel_loop_p"),  # SparseCore, 0.9+
         )),
     }
 
@@ -484,6 +491,29 @@ class _Analysis:
                 self.changed = self.changed or before[1]
                 if not grew:
                     return [*carry, *ys]
+        if name == "parallel_loop":  # for i in range(lower, upper, step), iterations in any order
+            try:
+                lower, upper, step, consts, carry = params["tree"].unflatten(ins)
+                jaxpr = params["jaxpr"]
+                operands = [*jaxpr.constvars, *jaxpr.invars]  # the body takes (*consts, index, *carry)
+                assert len(operands) == len(consts) + 1 + len(carry)
+            except Exception:
+                raise _refuse(eqn, "has operands reprules cannot split into bounds, consts and carry") from None
+            # How many iterations run, and which index each sees, depends on the bounds.
+            inner = ctrl | self.taint_of(lower) | self.taint_of(upper) | self.taint_of(step)
+            carry = list(carry)
+            while True:
+                before = (tuple(carry), self.changed)
+                self.changed = False
+                env = dict(zip(operands, [*consts, inner, *carry]))
+                new = self.run(jaxpr, env, inner)
+                if any(isinstance(o, tuple) for o in new):
+                    raise _refuse(eqn, "returns a reference from its body, which inference does not track")
+                carry = [c if isinstance(c, tuple) else c | n | inner for c, n in zip(carry, new)]
+                grew = self.changed or tuple(carry) != before[0]
+                self.changed = self.changed or before[1]
+                if not grew:
+                    return carry
         if name == "run_scoped":
             if params.get("collective_axes"):
                 raise _refuse(eqn, "allocates memory shared across cores or devices "
