@@ -505,8 +505,8 @@ class _Analysis:
             while True:
                 before = (tuple(carry), self.changed)
                 self.changed = False
-                env = dict(zip(operands, [*consts, inner, *carry]))
-                new = self.run(jaxpr, env, inner)
+                bound = dict(zip(operands, [*consts, inner, *carry]))
+                new = self.run(jaxpr, bound, inner)
                 if any(isinstance(o, tuple) for o in new):
                     raise _refuse(eqn, "returns a reference from its body, which inference does not track")
                 carry = [c if isinstance(c, tuple) else c | n | inner for c, n in zip(carry, new)]
