@@ -67,12 +67,15 @@ def missing_rule_message(
     name = kernel_name.split(" ")[0]
     axes = tuple(mesh_axes)
     if kind == "Pallas kernel":
+        # A pallas_call's name= need not be a Python name: then show a placeholder.
+        fn = name if name.isidentifier() else "kernel"
+        behind = "" if fn == name else f"  # the function JAX runs as {name!r}"
         fix = (
             "Fix: declare it once on the kernel function, e.g.\n"
             "    @reprules.replication_rule()          # outputs vary like the union of the inputs\n"
-            f"    def {name}(...): ...\n"
+            f"    def {fn}(...): ...{behind}\n"
             "or, for a kernel you cannot edit, "
-            f"`reprules.replication_rule(rules.same())({name})`."
+            f"`reprules.replication_rule(rules.same())({fn})`."
         )
         if inference:
             example = axes[-1] if axes else "model"

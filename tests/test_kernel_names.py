@@ -1,6 +1,8 @@
 """Rules by qualified name (``reprules.kernel_named("module:qualname")``), for
 nested kernels that are new function objects on every call."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,3 +89,24 @@ def test_a_name_no_kernel_matched_is_reported():
 
     reprules.replication_rule()(reprules.kernel_named("nowhere:typo.<locals>.kernel"))
     assert [r.where for r in _registry.unmatched_names()] == ["kernel_named:nowhere:typo.<locals>.kernel"]
+
+
+def test_a_missing_rule_fix_names_a_python_function(setup):
+    """A ``pallas_call``'s ``name=`` need not be a Python name; the fix shows valid code."""
+    mesh, x, _ = setup
+    reprules.replication_rule()(module_kernel)  # reprules active; copy has no rule
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    def call(x):
+        out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return pl.pallas_call(copy, out_shape=out, interpret=True, name="fused-moe-e_4")(x)
+
+    with pytest.raises(reprules.MissingRuleError) as info:
+        jax.jit(shard_map(call, mesh, P("data", None), P("data", None)))(x)
+    message = str(info.value)
+    defined = re.findall(r"def (\S+)\(\.\.\.\)", message)
+    called = re.findall(r"replication_rule\(rules\.same\(\)\)\((\S+)\)`", message)
+    assert defined and called and all(n.isidentifier() for n in defined + called), message
+    assert f"JAX {jax.__version__}" in message and "'data', 'model'" in message
