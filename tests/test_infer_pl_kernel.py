@@ -339,7 +339,7 @@ def test_a_body_that_communicates_is_refused(mesh):
     assert "rules.invariant('model')" in message and f"JAX {jax.__version__}" in message
 
 
-OWN_AXIS_INDEX = pytest.mark.skipif(not MPMD, reason=(
+OWN_AXIS_INDEX = pytest.mark.skipif(HAS_KERNEL and not MPMD, reason=(
     f"JAX {jax.__version__}: its own check_vma fails on axis_index of a pl.kernel's core axis "
     "(AssertionError in pvary, with or without reprules); it works from JAX 0.10"))
 
