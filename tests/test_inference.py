@@ -318,6 +318,11 @@ def _why_no_parallel_loop():
 @pytest.mark.parametrize("carried", [False, True], ids=["writes", "carry"])
 def test_a_sparsecore_parallel_loop_is_followed(mesh, carried):
     # Traced and typed only: parallel_loop lowers to SparseCore, not to CPU.
+    kernel = jax.make_jaxpr(functools.partial(looped, carried=carried))(
+        np.array([3], np.int32), np.ones((8, 16), np.float32)).jaxpr.eqns[0].params["jaxpr"]
+    if "parallel_loop" not in str(kernel):  # 0.10: a loop with no outputs is dropped as dead code
+        pytest.skip(f"JAX {jax.__version__} drops this parallel_loop from the kernel (no outputs): "
+                    "what it runs does not loop, so there is nothing to follow")
     n_rep, n_var = put(np.array([3], np.int32), mesh, P()), put(np.arange(4, dtype=np.int32), mesh, P("data"))
     x_rep, x_var = put(randn(0, (8, 16)), mesh, P()), put(randn(1, (32, 16)), mesh, P("data", None))
     body = functools.partial(looped, carried=carried)
