@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from reprules import _decide
@@ -465,32 +465,27 @@ class _Analysis:
             return [o | inner for o in outs]
         if name == "while":
             nc, nb = params["cond_nconsts"], params["body_nconsts"]
-            cconsts, bconsts, carry = ins[:nc], ins[nc:nc + nb], list(ins[nc + nb:])
-            while True:
-                before = (tuple(carry), self.changed)
-                self.changed = False
+            cconsts, bconsts = ins[:nc], ins[nc:nc + nb]
+
+            def while_step(carry: list[Any]) -> list[Any]:
                 (pred,) = self.call(params["cond_jaxpr"], [*cconsts, *carry], ctrl, eqn)
                 inner = ctrl | pred
                 new = self.call(params["body_jaxpr"], [*bconsts, *carry], inner, eqn)
-                carry = [c if isinstance(c, tuple) else c | n | inner for c, n in zip(carry, new)]
-                grew = self.changed or tuple(carry) != before[0]
-                self.changed = self.changed or before[1]
-                if not grew:
-                    return carry
+                return [c if isinstance(c, tuple) else c | n | inner for c, n in zip(carry, new)]
+
+            return self.fixpoint(list(ins[nc + nb:]), while_step)
         if name == "scan":
             consts, carry, xs = self._scan_split(eqn, ins)
-            ys: list[Taint] | None = None
-            while True:
-                before = (tuple(carry), self.changed)
-                self.changed = False
+            ys: list[Taint] = []
+
+            def scan_step(carry: list[Any]) -> list[Any]:
                 outs = self.call(params["jaxpr"], [*consts, *carry, *xs], ctrl, eqn)
                 new, ys_now = outs[:len(carry)], outs[len(carry):]
-                carry = [c if isinstance(c, tuple) else c | n for c, n in zip(carry, new)]
-                ys = ys_now if ys is None else [a | b for a, b in zip(ys, ys_now)]
-                grew = self.changed or tuple(carry) != before[0]
-                self.changed = self.changed or before[1]
-                if not grew:
-                    return [*carry, *ys]
+                ys[:] = ys_now if not ys else [a | b for a, b in zip(ys, ys_now)]
+                return [c if isinstance(c, tuple) else c | n for c, n in zip(carry, new)]
+
+            carry = self.fixpoint(carry, scan_step)
+            return [*carry, *ys]
         if name == "parallel_loop":  # for i in range(lower, upper, step), iterations in any order
             try:
                 lower, upper, step, consts, carry = params["tree"].unflatten(ins)
@@ -501,19 +496,14 @@ class _Analysis:
                 raise _refuse(eqn, "has operands reprules cannot split into bounds, consts and carry") from None
             # How many iterations run, and which index each sees, depends on the bounds.
             inner = ctrl | self.taint_of(lower) | self.taint_of(upper) | self.taint_of(step)
-            carry = list(carry)
-            while True:
-                before = (tuple(carry), self.changed)
-                self.changed = False
-                bound = dict(zip(operands, [*consts, inner, *carry]))
-                new = self.run(jaxpr, bound, inner)
+
+            def loop_step(carry: list[Any]) -> list[Any]:
+                new = self.run(jaxpr, dict(zip(operands, [*consts, inner, *carry])), inner)
                 if any(isinstance(o, tuple) for o in new):
                     raise _refuse(eqn, "returns a reference from its body, which inference does not track")
-                carry = [c if isinstance(c, tuple) else c | n | inner for c, n in zip(carry, new)]
-                grew = self.changed or tuple(carry) != before[0]
-                self.changed = self.changed or before[1]
-                if not grew:
-                    return carry
+                return [c if isinstance(c, tuple) else c | n | inner for c, n in zip(carry, new)]
+
+            return self.fixpoint(list(carry), loop_step)
         if name == "run_scoped":
             if params.get("collective_axes"):
                 raise _refuse(eqn, "allocates memory shared across cores or devices "
@@ -533,6 +523,18 @@ class _Analysis:
             if key in params and params[key] is not None:
                 return self.call(params[key], ins, ctrl, eqn)
         raise _refuse(eqn, "has a body reprules cannot find")
+
+    def fixpoint(self, carry: list[Any], step: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        """Runs a loop body (``step``: carry in, carry out) until neither its carry
+        nor any ref's taint grows: the loop may run any number of times."""
+        while True:
+            before, outer_changed = tuple(carry), self.changed
+            self.changed = False
+            carry = step(carry)
+            grew = self.changed or tuple(carry) != before
+            self.changed = self.changed or outer_changed
+            if not grew:
+                return carry
 
     @staticmethod
     def _scan_split(eqn: Any, ins: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
