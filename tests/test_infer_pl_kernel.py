@@ -24,20 +24,12 @@ from jax.sharding import PartitionSpec as P
 import reprules
 from helpers import count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
 from reprules import rules
+from test_pl_kernel import _tpu_interpret  # noqa: F401 - autouse fixture: pl.kernel runs in TPU interpret mode
 from test_pl_kernel import CAN_INTERPRET, HAS_KERNEL, JAX_VERSION, MPMD, pltpu, sds, tc_mesh
 
 pytestmark = pytest.mark.skipif(
     not (HAS_KERNEL and CAN_INTERPRET), reason=f"JAX {jax.__version__} has no pl.kernel (added in JAX 0.8)"
 )
-
-
-@pytest.fixture(autouse=True)
-def _tpu_interpret():
-    if not CAN_INTERPRET:
-        yield
-        return
-    with pltpu.force_tpu_interpret_mode():
-        yield
 
 
 @pytest.fixture
