@@ -21,13 +21,12 @@ object was built (at import, before reprules, before the rule):
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -197,15 +196,22 @@ _watches: contextvars.ContextVar[tuple[Watch, ...]] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def watching(watch: Watch) -> Iterator[None]:
-    """Marks ``watch`` if a registered kernel is called while this is open
-    (how a ``custom_vjp`` learns that its fwd or bwd involves one)."""
-    token = _watches.set((*_watches.get(), watch))
-    try:
-        yield
-    finally:
-        _watches.reset(token)
+class watching:
+    """``with watching(watch):`` marks ``watch`` if a registered kernel is called
+    inside (how a ``custom_vjp`` learns that its fwd or bwd involves one).
+
+    A class, not a ``contextlib`` generator: it runs at every ``custom_vjp`` call."""
+
+    __slots__ = ("_watch", "_token")
+
+    def __init__(self, watch: Watch) -> None:
+        self._watch = watch
+
+    def __enter__(self) -> None:
+        self._token = _watches.set((*_watches.get(), self._watch))
+
+    def __exit__(self, *exc: object) -> None:
+        _watches.reset(self._token)
 
 
 def note_registered_call() -> None:
@@ -256,14 +262,21 @@ def jaxpr_calls_registered(jaxpr: Any) -> bool:
     return visit(jaxpr)
 
 
-@contextlib.contextmanager
-def tracing(reg: Registration) -> Iterator[None]:
-    note_registered_call()
-    token = _tracing.set(reg.kernel_ref)
-    try:
-        yield
-    finally:
-        _tracing.reset(token)
+class tracing:
+    """``with tracing(reg):`` a registered kernel's call is being bound (its JVP
+    and vmap binds inside are found by it). A class: it runs at every call."""
+
+    __slots__ = ("_reg", "_token")
+
+    def __init__(self, reg: Registration) -> None:
+        self._reg = reg
+
+    def __enter__(self) -> None:
+        note_registered_call()
+        self._token = _tracing.set(self._reg.kernel_ref)
+
+    def __exit__(self, *exc: object) -> None:
+        _tracing.reset(self._token)
 
 
 def registration_of(params: dict[str, Any]) -> Registration | None:

@@ -36,12 +36,17 @@ import inspect
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
+from jax._src import api_util, config, core, source_info_util
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
 
-from reprules import _errors
-from reprules._shim import _common
+from reprules import _errors, _mode_state
+from reprules._registry import generation
+from reprules._shim import _common, vma  # vma imports this module too: names are read at call time
 
 Field = Any  # vma.TypeField: reads the varying axes of a type
 
@@ -50,13 +55,31 @@ Field = Any  # vma.TypeField: reads the varying axes of a type
 class _Call:
     """One call of a ``custom_vjp`` function: what its bwd needs to know."""
 
-    name: str
-    arg_names: tuple[str, ...]
+    fun: Any  # the decorated function: its names are read only for an error message
     static: frozenset[int]  # nondiff_argnums: no cotangent is returned for these
     with_logs: bool
     watch: _common.Watch = dataclasses.field(default_factory=_common.Watch)
     primal_types: tuple[Any, ...] | None = None  # per differentiable argument, a pytree of types
     fwd_args: tuple[Any, ...] = ()  # the fwd's arguments, arrays as their types
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.fun, "__qualname__", None) or getattr(self.fun, "__name__", "custom_vjp"))
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        try:
+            return tuple(inspect.signature(self.fun).parameters)
+        except (TypeError, ValueError):
+            return ()
+
+    def record_args(self, args: Sequence[Any], type_of: Callable[[Any], Any]) -> None:
+        """Remembers the fwd's arguments as types (arrays) and values (the rest)."""
+        flat, tree = jax.tree_util.tree_flatten(tuple(args))
+        types = [type_of(x) for x in flat]
+        typed = jax.tree_util.tree_unflatten(tree, types)
+        self.primal_types = tuple(t for i, t in enumerate(typed) if i not in self.static)
+        self.fwd_args = jax.tree_util.tree_unflatten(tree, [t or x for t, x in zip(types, flat)])
 
 
 def install(patches: _common.Patches, field: Field) -> None:
@@ -101,8 +124,6 @@ def _install_psum_batching_fix(patches: _common.Patches) -> None:
 
 
 def _psum(x: Any, axes: frozenset[str]) -> Any:
-    from reprules._shim import vma
-
     token = _own_psum.set(True)
     try:
         return vma.psum(x, axes)
@@ -116,10 +137,8 @@ def _wrap_call(original: Callable[..., Any], static_attr: str, field: Field) -> 
         fwd, bwd = getattr(self, "fwd", None), getattr(self, "bwd", None)
         if fwd is None or bwd is None or getattr(self, "with_accums", False):
             return original(self, *args, **kwargs)
-        fun = getattr(self, "fun", None) or getattr(self, "f", None)
         call = _Call(
-            name=str(getattr(fun, "__qualname__", None) or getattr(fun, "__name__", "custom_vjp")),
-            arg_names=_arg_names(fun),
+            fun=getattr(self, "fun", None) or getattr(self, "f", None),
             static=frozenset(getattr(self, static_attr, ()) or ()),
             with_logs=bool(getattr(self, "with_logs", False)),
         )
@@ -132,23 +151,28 @@ def _wrap_call(original: Callable[..., Any], static_attr: str, field: Field) -> 
     return __call__
 
 
-def _arg_names(fun: Any) -> tuple[str, ...]:
-    try:
-        return tuple(inspect.signature(fun).parameters)
-    except (TypeError, ValueError):
-        return ()
-
-
 def _watched_fwd(fwd: Callable[..., Any], call: _Call) -> Callable[..., Any]:
-    @functools.wraps(fwd)
+    @_wraps(fwd)
     def watched(*args: Any) -> Any:
-        dynamic = [a for i, a in enumerate(args) if i not in call.static]
-        call.primal_types = tuple(jax.tree_util.tree_map(_type_of, a) for a in dynamic)
-        call.fwd_args = tuple(jax.tree_util.tree_map(lambda x: _type_of(x) or x, args))
+        call.record_args(args, _type_of)
         with _common.watching(call.watch):
             return fwd(*args)
 
     return watched
+
+
+def _wraps(wrapped: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``functools.wraps`` without copying ``__dict__`` and ``__doc__`` (it runs at
+    every call): JAX finds a fwd's or bwd's name, source and signature through
+    ``__wrapped__``."""
+
+    def decorate(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        wrapper.__wrapped__ = wrapped  # type: ignore[attr-defined]
+        wrapper.__name__ = getattr(wrapped, "__name__", wrapper.__name__)
+        wrapper.__qualname__ = getattr(wrapped, "__qualname__", wrapper.__qualname__)
+        return wrapper
+
+    return decorate
 
 
 def _type_of(x: Any) -> Any:
@@ -160,14 +184,14 @@ def _type_of(x: Any) -> Any:
 
 
 def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: _Call, field: Field) -> Callable[..., Any]:
-    @functools.wraps(bwd)
+    @_wraps(bwd)
     def fixed(*args: Any) -> Any:
-        from reprules._shim import vma
-
         if not vma.checking():  # no types to fix: exactly what JAX alone does
             return bwd(*args)
+        bwd_args = _BwdArgs.of(args, call)
+        staged = _Staged.open(bwd_args)  # None: the bwd's equations cannot be read where they are staged
         if call.watch.involved:  # the fwd traced a registered kernel's call
-            return _traced_and_fixed(bwd, call, field, args)
+            return _traced_and_fixed(bwd, call, field, bwd_args, staged)
         own = _common.Watch()
         with _common.watching(own):
             out = bwd(*args)
@@ -176,16 +200,19 @@ def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: _Call, fi
         # JAX alone refuses this cotangent. Fix it only if a registered kernel
         # is involved: one the bwd traced, or one in the fwd's or the bwd's
         # jaxpr (a cached trace is reused without tracing the kernel again).
+        if staged is not None:  # the bwd's equations are there to read: no second trace
+            if own.involved or _fwd_involves_registered(fwd, call) or staged.calls_registered():
+                return _fixed_cts(out, staged.taints(out, bwd_args, field), call, field)
+            return out  # JAX's own refusal stands
         if own.involved or _fwd_involves_registered(fwd, call):
-            return _traced_and_fixed(bwd, call, field, args)
-        fixed_out = _traced_and_fixed(bwd, call, field, args, only_if_registered=True)
+            return _traced_and_fixed(bwd, call, field, bwd_args, None)
+        fixed_out = _traced_and_fixed(bwd, call, field, bwd_args, None, only_if_registered=True)
         return out if fixed_out is None else fixed_out  # None: JAX's own refusal stands
 
     return fixed
 
 
 def _fwd_involves_registered(fwd: Callable[..., Any], call: _Call) -> bool:
-    from jax._src import core
 
     flat, tree = jax.tree_util.tree_flatten(call.fwd_args)
     dynamic = [i for i, x in enumerate(flat) if isinstance(x, core.AbstractValue)]
@@ -241,48 +268,79 @@ def _has_excess(out: Any, call: _Call, field: Field) -> bool:
     return any(_ct_varying(field, ct) - field.varying(t) for ct, t in pairs if t is not None)
 
 
-def _traced_and_fixed(bwd: Callable[..., Any], call: _Call, field: Field, args: Sequence[Any],
-                      only_if_registered: bool = False) -> Any:
-    """Traces the bwd to a jaxpr, evaluates it, and psums each cotangent over
-    the axes it varies over and its primal does not, where that is exact.
+class _BwdArgs(NamedTuple):
+    """A bwd's arguments, flattened. Arrays in the residuals and cotangents are
+    traced (``dynamic``: residuals first); anything else (the nondiff_argnums
+    values first, Python constants, SymbolicZero) is closed over."""
+
+    args: tuple[Any, ...]
+    flat: list[Any]
+    tree: Any
+    dynamic: list[int]
+    num_res: int
+
+    @classmethod
+    def of(cls, args: Sequence[Any], call: _Call) -> _BwdArgs:
+        flat, tree = jax.tree_util.tree_flatten(tuple(args))
+        first = len(jax.tree_util.tree_leaves(tuple(args[: len(call.static)])))
+        dynamic = [i for i, x in enumerate(flat) if i >= first and _is_traceable(x)]
+        num_leaves_before_cts = len(jax.tree_util.tree_leaves(tuple(args[:-1])))
+        num_res = len([i for i in dynamic if i < num_leaves_before_cts])
+        return cls(tuple(args), flat, tree, dynamic, num_res)
+
+    @property
+    def dyn_args(self) -> list[Any]:
+        return [self.flat[i] for i in self.dynamic]
+
+    def flat_fn(self, bwd: Callable[..., Any]) -> Callable[..., Any]:
+        """``bwd`` as a function of the traced leaves alone."""
+        def flat_bwd(*xs: Any) -> Any:
+            leaves = list(self.flat)
+            for i, x in zip(self.dynamic, xs):
+                leaves[i] = x
+            return bwd(*jax.tree_util.tree_unflatten(self.tree, leaves))
+
+        return flat_bwd
+
+
+def _traced_and_fixed(bwd: Callable[..., Any], call: _Call, field: Field, bwd_args: _BwdArgs,
+                      staged: _Staged | None, only_if_registered: bool = False) -> Any:
+    """Runs the bwd, and psums each cotangent over the axes it varies over and
+    its primal does not, where that is exact (judged from the bwd's jaxpr).
+
+    The first call for given input types runs straight into the jaxpr being
+    staged (``staged``) and reads its equations there; a second one traces the
+    bwd to a jaxpr, which it and later calls replay (a model calls the same
+    bwd once per layer). Without ``staged``, every call takes the second way.
 
     With ``only_if_registered``, returns None (nothing evaluated) unless the
     bwd's jaxpr calls a registered kernel."""
-    from jax._src import core
-
-    from reprules._shim import vma
-
-    flat, tree = jax.tree_util.tree_flatten(tuple(args))
-    # Arrays in the residuals and cotangents are traced; anything else (the
-    # nondiff_argnums values first, Python constants, SymbolicZero) is closed over.
-    first = len(jax.tree_util.tree_leaves(tuple(args[: len(call.static)])))
-    dynamic = [i for i, x in enumerate(flat) if i >= first and _is_traceable(x)]
-
-    def flat_bwd(*xs: Any) -> Any:
-        leaves = list(flat)
-        for i, x in zip(dynamic, xs):
-            leaves[i] = x
-        return bwd(*jax.tree_util.tree_unflatten(tree, leaves))
-
-    dyn_args = [flat[i] for i in dynamic]
-    num_res = len([i for i in dynamic if i < len(jax.tree_util.tree_leaves(tuple(args[:-1])))])
-    key = _trace_key(tree, flat, dynamic, dyn_args, num_res)
+    dyn_args = bwd_args.dyn_args
+    key = _trace_key(bwd_args.tree, bwd_args.flat, bwd_args.dynamic, dyn_args, bwd_args.num_res)
     traced = _bwd_traces.get(bwd, key)
-    if traced is None:
+    if traced is None and staged is not None and not only_if_registered:
+        _bwd_traces.put(bwd, key, _SEEN)
+        staged.begin()
+        out = bwd(*bwd_args.args)
+        return _fixed_cts(out, staged.taints(out, bwd_args, field), call, field)
+    if not isinstance(traced, _BwdTrace):
         watch = _common.Watch()
         with _common.watching(watch):
-            closed, out_tree = _trace(flat_bwd, dyn_args)
+            closed, out_tree = _trace(bwd_args.flat_fn(bwd), dyn_args, _source_info(bwd))
         involved = watch.involved or _common.jaxpr_calls_registered(closed.jaxpr)
-        traced = _BwdTrace(closed, out_tree, _taints(closed.jaxpr, num_res, field), involved)
+        traced = _BwdTrace(closed, out_tree, _taints(closed.jaxpr, bwd_args.num_res, field), involved)
         _bwd_traces.put(bwd, key, traced)
     elif traced.involved:
         _common.note_registered_call()  # as tracing it again would
     if only_if_registered and not traced.involved:
         return None
-    closed, out_tree, taints = traced.closed, traced.out_tree, traced.taints
-    out_flat = _replay(closed, dyn_args)
-    out = jax.tree_util.tree_unflatten(out_tree, out_flat)
-    taint_tree = jax.tree_util.tree_unflatten(out_tree, taints)
+    out = jax.tree_util.tree_unflatten(traced.out_tree, _replay(traced.closed, dyn_args))
+    return _fixed_cts(out, jax.tree_util.tree_unflatten(traced.out_tree, traced.taints), call, field)
+
+
+def _fixed_cts(out: Any, taint_tree: Any, call: _Call, field: Field) -> Any:
+    """The bwd's output ``out`` with each cotangent fixed by :func:`_fix_leaf`
+    (``taint_tree``: the taint of each leaf of ``out``)."""
     cts, logs = _split_logs(out, call)
     ct_taints, _ = _split_logs(taint_tree, call)
     if call.primal_types is None or not isinstance(cts, (tuple, list)) or len(cts) != len(call.primal_types):
@@ -301,15 +359,116 @@ def _traced_and_fixed(bwd: Callable[..., Any], call: _Call, field: Field, args: 
     return (fixed_cts, logs) if call.with_logs else fixed_cts
 
 
-def _trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Any]:
+# --- a bwd run straight into the jaxpr being staged -----------------------------
+#
+# Tracing a bwd to its own jaxpr and copying that into the enclosing one costs
+# a second trace per call. Where the enclosing trace is a jaxpr being staged,
+# the bwd runs straight into it (as with JAX alone) and the equations it added
+# are read back from JAX's trace frame, for the same analysis.
+
+
+class _Eqn(NamedTuple):
+    primitive: Any
+    params: dict[str, Any]
+    invars: list[Any]
+    outvars: list[Any]
+
+
+@dataclasses.dataclass
+class _Jaxpr:
+    """The part of a jaxpr a bwd staged: what :func:`_taint_flow` and
+    ``_common.jaxpr_calls_registered`` read of a jaxpr."""
+
+    eqns: list[_Eqn]
+    invars: list[Any]
+    outvars: list[Any]
+
+
+class _Staged:
+    """The jaxpr being staged where a bwd runs (``pe.DynamicJaxprTrace``), and
+    the equations the bwd adds to it: JAX 0.6 keeps ``frame.eqns`` (variables
+    found by ``frame.tracer_to_var``); 0.7+ keeps ``frame.tracing_eqns``
+    (each a ``TracingEqn``, or a reference to one JAX may drop as dead code),
+    whose tracers hold their variable as ``.val``."""
+
+    def __init__(self, trace: Any, eqns: list[Any], legacy: bool) -> None:
+        self.trace, self.frame, self._eqns, self._legacy = trace, trace.frame, eqns, legacy
+        self._start = len(eqns)
+
+    @classmethod
+    def open(cls, bwd_args: _BwdArgs) -> _Staged | None:
+        """The staged jaxpr, if the bwd's cotangents are its variables (their uses
+        are then equations in it); None elsewhere (vmap, jvp, eager, dynamic shapes)."""
+        trace = core.trace_ctx.trace
+        if not isinstance(trace, pe.DynamicJaxprTrace) or getattr(jax.config, "jax_dynamic_shapes", False):
+            return None
+        frame = trace.frame
+        eqns, legacy = getattr(frame, "tracing_eqns", None), False
+        if eqns is None:
+            eqns, legacy = getattr(frame, "eqns", None), True
+        consts = getattr(frame, "constvar_to_val", None)
+        if not isinstance(eqns, list) or not isinstance(consts, dict):
+            return None
+        staged = cls(trace, eqns, legacy)
+        for x in bwd_args.dyn_args[bwd_args.num_res:]:
+            var = staged.var(x)
+            if var is None or var in consts:  # a constant: JAX may fold its uses away
+                return None
+        return staged
+
+    def begin(self) -> None:
+        """Equations added from now on are the bwd's."""
+        self._start = len(self._eqns)
+
+    def var(self, x: Any) -> Any:
+        """The variable of ``x`` in the staged jaxpr, or None."""
+        if not isinstance(x, pe.DynamicJaxprTracer) or x._trace is not self.trace:
+            return None
+        if self._legacy:
+            return self.frame.tracer_to_var.get(id(x))
+        var = x.val
+        return var if isinstance(var, core.Var) else None
+
+    def jaxpr(self, ins: Sequence[Any], outs: Sequence[Any]) -> _Jaxpr:
+        eqns: list[_Eqn] = []
+        for e in self._eqns[self._start:]:
+            if not self._legacy:
+                e = e if isinstance(e, pe.TracingEqn) else e()
+                if e is None:  # dropped as dead code: nothing the bwd returns uses it
+                    continue
+                e = _Eqn(e.primitive, e.params, [getattr(t, "val", None) for t in e.in_tracers], e.outvars)
+            eqns.append(e)
+        return _Jaxpr(eqns, [self.var(x) for x in ins], [self.var(x) for x in outs])
+
+    def calls_registered(self) -> bool:
+        return _common.jaxpr_calls_registered(self.jaxpr((), ()))
+
+    def taints(self, out: Any, bwd_args: _BwdArgs, field: Field) -> Any:
+        """Per leaf of the bwd's output ``out``, what :func:`_taints` says."""
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        jaxpr = self.jaxpr(bwd_args.dyn_args, leaves)
+        return jax.tree_util.tree_unflatten(tree, _taints(jaxpr, bwd_args.num_res, field))
+
+
+_FLAT_SIGNATURE = inspect.signature(lambda *args: None)
+
+
+def _source_info(fn: Any) -> str:
+    """``name at file:line`` of ``fn``, as JAX's debug info says it."""
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__name__", None) or "bwd"
+    return f"{name} at {code.co_filename}:{code.co_firstlineno}" if code is not None else name
+
+
+def _trace(fn: Callable[..., Any], args: Sequence[Any], source: str = "reprules custom_vjp bwd"
+           ) -> tuple[Any, Any]:
     """``fn``'s closed jaxpr on ``args`` (flat), and its output tree: what
     ``jax.make_jaxpr(fn, return_shape=True)`` gives, without building a ``jit``
     around it (a third of a small bwd's trace on 0.12)."""
-    from jax._src import api_util
-    from jax._src import linear_util as lu
-    from jax._src.interpreters import partial_eval as pe
 
-    debug = api_util.debug_info("reprules custom_vjp bwd", fn, tuple(args), {})
+    # The names JAX would find by inspecting fn (a third of the trace's own cost): fn is flat.
+    debug = api_util.debug_info("reprules custom_vjp bwd", fn, tuple(args), {},
+                                sourceinfo=source, signature=_FLAT_SIGNATURE)
     flat_fn, out_tree = api_util.flatten_fun_nokwargs(lu.wrap_init(fn, debug_info=debug),
                                                       jax.tree_util.tree_structure(tuple(args)))
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat_fn, [jax.typeof(x) for x in args])[:3]
@@ -328,8 +487,6 @@ def _replay(closed: Any, args: Sequence[Any]) -> list[Any]:
     they were typed when traced, with the same inputs. Elsewhere (vmap, jvp,
     eager, or hijax equations that JAX must lower as they are bound) they are
     bound one by one."""
-    from jax._src import core, source_info_util
-    from jax._src.interpreters import partial_eval as pe
 
     trace = core.trace_ctx.trace
     if (isinstance(trace, pe.DynamicJaxprTrace)
@@ -361,16 +518,19 @@ class _BwdTrace:
     involved: bool  # the bwd calls a registered (or inferred) kernel
 
 
+_SEEN = object()  # a bwd and input types run once, straight into the staged jaxpr
+
+
 class _TraceCache:
-    """Per bwd function (held weakly), a bounded LRU of its traces."""
+    """Per bwd function (held weakly), a bounded LRU of its traces (or _SEEN)."""
 
     def __init__(self, per_function: int = 32) -> None:
-        self._by_fn: weakref.WeakKeyDictionary[Any, collections.OrderedDict[Any, _BwdTrace]] = (
+        self._by_fn: weakref.WeakKeyDictionary[Any, collections.OrderedDict[Any, Any]] = (
             weakref.WeakKeyDictionary())
         self._per_function = per_function
         self._lock = threading.Lock()
 
-    def get(self, fn: Any, key: Any) -> _BwdTrace | None:
+    def get(self, fn: Any, key: Any) -> Any:
         if key is None:
             return None
         with self._lock:
@@ -383,7 +543,7 @@ class _TraceCache:
             entries.move_to_end(key)
             return entries[key]
 
-    def put(self, fn: Any, key: Any, value: _BwdTrace) -> None:
+    def put(self, fn: Any, key: Any, value: Any) -> None:
         if key is None:
             return
         with self._lock:
@@ -411,12 +571,6 @@ def clear_traces() -> None:
 def _trace_key(tree: Any, flat: Sequence[Any], dynamic: Sequence[int], dyn_args: Sequence[Any],
                num_res: int) -> Any:
     """What a bwd's jaxpr depends on besides the function; None if not hashable."""
-    from jax._src import config
-
-    from reprules import _mode_state
-    from reprules._registry import generation
-    from reprules._shim import vma
-
     dyn = set(dynamic)
     try:
         key = (
@@ -432,16 +586,12 @@ def _trace_key(tree: Any, flat: Sequence[Any], dynamic: Sequence[int], dyn_args:
 
 
 def _is_traceable(x: Any) -> bool:
-    import numpy as np
-    from jax._src import core
 
     return isinstance(x, (jax.Array, core.Tracer, np.ndarray, np.generic))
 
 
 def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: int, call: _Call,
               field: Field, manual: tuple[str, ...]) -> Any:
-    from reprules._shim import vma
-
     if ct is None or primal_type is None or not hasattr(primal_type, "shape"):
         return ct
     have, want = _ct_varying(field, ct), field.varying(primal_type)
@@ -487,10 +637,9 @@ _CALL_BODIES = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "c
 
 def _taint_flow(jaxpr: Any, in_taints: Sequence[frozenset[str] | None], field: Field
                 ) -> list[frozenset[str] | None]:
-    from jax._src import core
-
     from reprules._shim import core_map
 
+    manual = frozenset(vma.manual_axes())
     taint: dict[Any, frozenset[str]] = {v: t for v, t in zip(jaxpr.invars, in_taints) if t is not None}
     for eqn in jaxpr.eqns:
         deps = [v for v in eqn.invars if isinstance(v, core.Var) and v in taint]
@@ -504,7 +653,7 @@ def _taint_flow(jaxpr: Any, in_taints: Sequence[frozenset[str] | None], field: F
                     taint[o] = t
             continue
         found = frozenset().union(*(taint[v] for v in deps))
-        replicated_in = frozenset().union(*(_manual_complement(field, v.aval) for v in deps))
+        replicated_in = frozenset().union(*(manual - field.varying(v.aval) for v in deps))
         varying_out = frozenset().union(*(field.varying(o.aval) for o in eqn.outvars))
         found |= replicated_in & varying_out
         found |= core_map.collective_axes(eqn, _collective_axes)  # pl.kernel: its own casts aside
@@ -524,27 +673,43 @@ def _call_body(eqn: Any) -> Any:
     return body
 
 
-def _manual_complement(field: Field, aval: Any) -> frozenset[str]:
-    from reprules._shim import vma
-
-    varying: frozenset[str] = field.varying(aval)
-    return frozenset(vma.manual_axes()) - varying
-
-
 def _collective_axes(eqn: Any) -> frozenset[str]:
     """Every axis name an equation (or any jaxpr inside it) communicates or
     casts over, judged conservatively from its params."""
+    return _params_axes(eqn.params)
+
+
+def _params_axes(params: dict[str, Any]) -> frozenset[str]:
     found: set[str] = set()
-
-    def visit(params: dict[str, Any]) -> None:
-        for key, value in params.items():
-            if key in ("axes", "axis_name"):
-                names = value if isinstance(value, (tuple, list, set, frozenset)) else (value,)
-                found.update(n for n in names if isinstance(n, str))
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                for inner in getattr(sub, "eqns", ()):
-                    visit(inner.params)
-
-    visit(eqn.params)
+    for key, value in params.items():
+        if key in ("axes", "axis_name"):
+            names = value if isinstance(value, (tuple, list, set, frozenset)) else (value,)
+            found.update(n for n in names if isinstance(n, str))
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(sub, _PLAIN):
+                continue
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns"):
+                found |= _jaxpr_axes(sub)
     return frozenset(found)
+
+
+_PLAIN = (str, int, float, type(None))  # param values that hold no jaxpr
+
+
+# A kernel's jaxpr is shared by all its calls (JAX caches its trace): scanned once.
+_axes_of_jaxpr: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _jaxpr_axes(jaxpr: Any) -> frozenset[str]:
+    try:
+        found = _axes_of_jaxpr.get(jaxpr)
+    except TypeError:  # not weakly referenceable
+        found = None
+    if found is None:
+        found = frozenset().union(*(_params_axes(e.params) for e in jaxpr.eqns))
+        try:
+            _axes_of_jaxpr[jaxpr] = found
+        except TypeError:
+            pass
+    return found

@@ -66,10 +66,8 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
         fwd, bwd = getattr(self, "fwd", None), getattr(self, "bwd", None)
         if fwd is None or bwd is None:
             return original(self, *args, **kwargs)
-        fun = getattr(self, "fun", None)
         call = custom_vjp._Call(
-            name=str(getattr(fun, "__qualname__", None) or getattr(fun, "__name__", "custom_vjp")),
-            arg_names=custom_vjp._arg_names(fun),
+            fun=getattr(self, "fun", None),
             static=frozenset(getattr(self, "nondiff_argnums", ()) or ()),
             with_logs=False,
         )
@@ -97,8 +95,7 @@ def _watched_fwd(fwd: Callable[..., Any], call: custom_vjp._Call, counts: list[t
     @functools.wraps(fwd)
     def watched(*args: Any) -> Any:
         dynamic = [a for i, a in enumerate(args) if i not in call.static]
-        call.primal_types = tuple(jax.tree_util.tree_map(_aval, a) for a in dynamic)
-        call.fwd_args = tuple(jax.tree_util.tree_map(lambda x: _aval(x) or x, args))
+        call.record_args(args, _aval)
         counts[:] = [tuple(len(jax.tree_util.tree_leaves(a)) for a in dynamic)]
         with _common.watching(call.watch):
             return fwd(*args)

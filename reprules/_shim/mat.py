@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax._src import core
 
 from reprules._shim import vma
 
@@ -26,40 +27,40 @@ class TypeField(vma.TypeField):
 
     def varying(self, aval: Any) -> frozenset[str]:
         mat = getattr(aval, "mat", None)
-        return frozenset(mat.varying) if mat is not None else frozenset()
+        if mat is None:
+            return frozenset()
+        varying = mat.varying  # a frozenset on 0.10 - 0.12 (JAX canonicalises it)
+        return varying if type(varying) is frozenset else frozenset(varying)
 
     def annotated(self, sds: Any) -> bool:
         return isinstance(sds, jax.ShapeDtypeStruct) and getattr(sds, "manual_axis_type", None) is not None
 
     def sds_value(self, varying: frozenset[str]) -> Any:
-        from jax._src import core
-
         return core.ManualAxisType(varying=frozenset(varying))
 
     def strip(self, aval: Any) -> Any:
-        from jax._src import core
-
         return aval.update_manual_axis_type(core.empty_mat) if hasattr(aval, "mat") else aval
 
     def retype(self, aval: Any, varying: frozenset[str]) -> Any:
-        from jax._src import core
-
         extra = vma._mesh_sharding(aval, varying)
         aval = aval.update(**extra) if extra else aval
         mat = getattr(aval, "mat", None) or core.empty_mat
         return aval.update_manual_axis_type(_with_varying(mat, varying))
 
 
-def _with_varying(mat: Any, varying: frozenset[str]) -> Any:
-    from jax._src import core
+_other_fields: tuple[str, ...] | None = None  # ManualAxisType's, besides varying: read once
 
-    kwargs = {f: getattr(mat, f) for f in ("unreduced", "reduced", "unreduced_kind") if hasattr(mat, f)}
-    return core.ManualAxisType(varying=frozenset(varying), **kwargs)
+
+def _with_varying(mat: Any, varying: frozenset[str]) -> Any:
+    global _other_fields
+    if mat.varying == varying:
+        return mat
+    if _other_fields is None:  # 0.10: unreduced, reduced; 0.11+: unreduced_kind too
+        _other_fields = tuple(f for f in ("unreduced", "reduced", "unreduced_kind") if hasattr(mat, f))
+    return core.ManualAxisType(varying=frozenset(varying), **{f: getattr(mat, f) for f in _other_fields})
 
 
 def detect() -> bool:
-    from jax._src import core
-
     return hasattr(core, "ManualAxisType") and hasattr(core.ShapedArray, "update_manual_axis_type")
 
 

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax._src import config, core
+from jax._src import mesh as mesh_lib
 
 from reprules import _errors, _mode_state
 from reprules._decide import decide
@@ -67,8 +69,6 @@ class TypeField:
 def _mesh_sharding(aval: Any, varying: frozenset[str]) -> dict[str, Any]:
     """From 0.8, a type that varies needs a sharding on a (manual) mesh: an
     abstract eval that built ``ShapedArray(shape, dtype)`` has none."""
-    from jax._src import core
-
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
     if not varying or (mesh is not None and not getattr(mesh, "empty", False)):
         return {}
@@ -77,27 +77,19 @@ def _mesh_sharding(aval: Any, varying: frozenset[str]) -> dict[str, Any]:
 
 
 def detect() -> bool:
-    from jax._src import core
-
     return "vma" in getattr(core.ShapedArray, "__slots__", ()) or hasattr(core.ShapedArray, "vma")
 
 
 def checking() -> bool:
     """Whether the innermost ``shard_map`` being traced has checking on."""
-    from jax._src import config
-
     return bool(config._check_vma.value)
 
 
 def manual_axes() -> tuple[str, ...]:
-    from jax._src import mesh as mesh_lib
-
     return tuple(mesh_lib.get_abstract_mesh().manual_axes)
 
 
 def cast_up(x: Any, axes: frozenset[str]) -> Any:
-    from jax._src import core
-
     # core.pvary is what jax.lax.pvary (0.6 - 0.9) and pcast(to="varying") use.
     return core.pvary(x, tuple(a for a in manual_axes() if a in axes))
 
@@ -186,14 +178,16 @@ class Regime:
                     )
                 ) from refusal
             return bind(*args, **params)
-        if not (direct and checking() and manual_axes()):
+        manual = manual_axes() if direct and checking() else ()
+        if not manual:
             # Outside a checked shard_map, or a JVP/vmap of a call typed already.
             return _common.traced_bind(bind, args, params, reg, direct)
         first, _ = _common._pallas_layout(params, len(args))
         first = infer.rule_operands_start(reg, first)
         out_avals = tuple(params["out_avals"])
-        in_vary = tuple(self.field.varying(jax.typeof(a)) for a in args[first:])
-        ctx = _common.rule_context(reg, manual_axes(), len(in_vary), len(out_avals))
+        varying = self.field.varying
+        in_vary = tuple([varying(jax.typeof(a)) for a in args[first:]])
+        ctx = _common.rule_context(reg, manual, len(in_vary), len(out_avals))
         decision = decide(reg, ctx, in_vary)
         if isinstance(reg.rule, infer.InferredRule):
             self._check_annotations(params, out_avals, decision.outputs, unannotated)
@@ -250,8 +244,6 @@ class Regime:
     # -- primitive-level fixes ---------------------------------------------------
 
     def _interpret_lowering(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        from jax._src import config
-
         field = self.field
 
         def lowering(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
@@ -399,7 +391,6 @@ def _jax_collectives() -> frozenset[Any]:
     """JAX's collectives, by identity: every primitive that ``jax._src.lax.parallel``
     defines (psum, all_gather, ppermute, axis_index, ... under whatever names
     this version has) and ``core.pvary_p`` (pvary / pcast, 0.6+)."""
-    from jax._src import core
     from jax._src.lax import parallel
 
     found = {v for v in vars(parallel).values() if isinstance(v, core.Primitive)}
@@ -413,8 +404,6 @@ def _jax_higher_order() -> frozenset[Any]:
     """The primitives of ``_HIGHER_ORDER``, by identity: JAX's higher-order primitives
     (typed from their jaxprs) and callbacks (typed by the user's result shapes)."""
     import importlib
-
-    from jax._src import core
 
     found = set()
     for module_name, attr in _HIGHER_ORDER:
@@ -491,7 +480,6 @@ def _install_kernel_jvp_fix(patches: _common.Patches) -> None:
     body's JVP is traced with the check off, as JAX 0.9 effectively does."""
     if _common.version_tuple()[:2] not in ((0, 7), (0, 8)):
         return
-    from jax._src import config
     from jax._src.interpreters import ad
 
     prim = _common.pallas_call_p()
