@@ -169,6 +169,82 @@ def test_mixed_cotangent_psummed_in_the_bwd_is_exact(vjp3):
         assert psum_axes(grad, x, w) == [("data",)]
 
 
+# --- the three ways a bwd runs (JAX >= 0.6) ---------------------------------------
+#
+# The first call of a bwd for given input types runs straight into the jaxpr being
+# staged, and reprules reads the equations it added there; a second call traces the
+# bwd to a jaxpr of its own, which it and every later call replay. Each must give
+# the same exact gradient, and each must refuse a mixed cotangent.
+
+
+def _count_bwd_runs(monkeypatch):
+    from reprules._shim import custom_vjp as impl
+
+    runs = {"straight": 0, "traced": 0, "replayed": 0}
+
+    def spy(name, fn):
+        def counted(*args, **kwargs):
+            runs[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    monkeypatch.setattr(impl._Staged, "taints", spy("straight", impl._Staged.taints))
+    monkeypatch.setattr(impl, "_trace", spy("traced", impl._trace))
+    monkeypatch.setattr(impl, "_replay", spy("replayed", impl._replay))
+    return runs
+
+
+@pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 psums such cotangents itself")
+@vjp3
+def test_a_bwd_gives_the_exact_gradient_however_it_runs(vjp3, monkeypatch):
+    """Three layers call one custom_vjp with the same types: its bwd runs
+    straight (layer 3, transposed first), is traced (layer 2) and is replayed
+    (layers 2 and 1); every weight cotangent gets its psum over data."""
+    reprules.replication_rule()(mul_kernel)
+    runs = _count_bwd_runs(monkeypatch)
+    mesh, x, w, t = _data()
+    mul = _mul_in_fwd()
+    with custom_vjp3(vjp3):
+        f = shard_map(lambda x, w: mul(mul(mul(x, w), w), w), mesh, (P("data", None), P()), P("data", None))
+        grad = jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1))
+        got = jax.jit(grad)(x, w)
+        assert runs == {"straight": 1, "traced": 1, "replayed": 2}
+        xn, wn, tn = np.asarray(x), np.asarray(w), np.asarray(t)
+        assert max_err(got, (tn * wn**3, (3 * tn * xn * wn**2).sum(0, keepdims=True))) < 1e-4
+        assert psum_axes(grad, x, w) == [("data",)] * 3
+
+
+@pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 psums such cotangents itself")
+@vjp3
+def test_a_mixed_cotangent_is_refused_however_its_bwd_runs(vjp3, monkeypatch):
+    """One bwd function, three attempts (a fresh custom_vjp and fwd each: the fwd
+    binds the kernel each time, which tells the bwd that a rule is involved)."""
+    reprules.replication_rule()(mul_kernel)
+    runs = _count_bwd_runs(monkeypatch)
+    mesh, x, w, t = _data()
+    bwd = _mixed(psum_inside=False).bwd
+    expected = [{"straight": 1, "traced": 0, "replayed": 0}, {"straight": 1, "traced": 1, "replayed": 1},
+                {"straight": 1, "traced": 1, "replayed": 2}]
+    with custom_vjp3(vjp3):
+        for want in expected:
+
+            @jax.custom_vjp
+            def f(x, w):
+                return kernel_mul(x, w), 2.0 * w
+
+            f.defvjp(lambda x, w: ((kernel_mul(x, w), 2.0 * w), (x, w)), bwd)  # the kernel bound in the fwd
+            g = shard_map(f, mesh, (P("data", None), P()), (P("data", None), P()))
+
+            def loss(x, w, g=g):
+                y, z = g(x, w)
+                return (y * t).sum() + (z * 3.0).sum()
+
+            with pytest.raises(reprules.CotangentError, match=r"(?s)input 1 \('w'\).*replicated over 'data'"):
+                jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+            assert runs == want
+
+
 @pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 psums such cotangents itself")
 @vjp3
 def test_without_a_registered_kernel_new_jax_refuses_it(vjp3):

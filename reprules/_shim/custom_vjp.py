@@ -137,6 +137,10 @@ def _wrap_call(original: Callable[..., Any], static_attr: str, field: Field) -> 
         fwd, bwd = getattr(self, "fwd", None), getattr(self, "bwd", None)
         if fwd is None or bwd is None or getattr(self, "with_accums", False):
             return original(self, *args, **kwargs)
+        if getattr(bwd, "_reprules_fixed", False):
+            # Wrapped already: 0.12's custom_vjp.__call__ hands its (wrapped) fwd
+            # and bwd to the jax_custom_vjp3 implementation, which is patched too.
+            return original(self, *args, **kwargs)
         call = _Call(
             fun=getattr(self, "fun", None) or getattr(self, "f", None),
             static=frozenset(getattr(self, static_attr, ()) or ()),
@@ -209,6 +213,7 @@ def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: _Call, fi
         fixed_out = _traced_and_fixed(bwd, call, field, bwd_args, None, only_if_registered=True)
         return out if fixed_out is None else fixed_out  # None: JAX's own refusal stands
 
+    fixed._reprules_fixed = True  # type: ignore[attr-defined]
     return fixed
 
 
