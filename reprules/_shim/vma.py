@@ -161,7 +161,9 @@ class Regime:
         except ValueError as err:  # an unannotated ShapeDtypeStruct under checking
             if not isinstance(leaf, jax.ShapeDtypeStruct):
                 raise
-            aval, refusal = original(self._annotate(leaf, frozenset())), err
+            # Kept without its traceback: that would hold every frame of the
+            # trace alive (tracers included) until the garbage collector runs.
+            aval, refusal = original(self._annotate(leaf, frozenset())), err.with_traceback(None)
         _unannotated.add(aval, refusal)
         return aval
 
