@@ -10,7 +10,9 @@ that involve a registered kernel:
   kernel that has a rule (``_common.note_registered_call``). Every other
   ``custom_vjp`` runs exactly as with JAX alone, JAX's refusals included. The
   fwd is always traced before the bwd runs, so the bwd knows.
-* **When the psum is exact.** The bwd is traced to a jaxpr first. A cotangent
+* **When the psum is exact.** Judged from the bwd's equations: those its run
+  added to the jaxpr being staged (its first run for given input types), or its
+  own trace (later runs, which replay it; see ``_traced_and_fixed``). A cotangent
   varying over axis ``a`` where its primal does not is psummed over ``a`` only
   if no part of it that depends on the incoming cotangents was replicated over
   ``a`` and then made varying (an explicit or automatic ``pvary``, a kernel whose
