@@ -220,7 +220,6 @@ def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: _Call, fi
 
 
 def _fwd_involves_registered(fwd: Callable[..., Any], call: _Call) -> bool:
-
     flat, tree = jax.tree_util.tree_flatten(call.fwd_args)
     dynamic = [i for i, x in enumerate(flat) if isinstance(x, core.AbstractValue)]
 
@@ -467,12 +466,10 @@ def _source_info(fn: Any) -> str:
     return f"{name} at {code.co_filename}:{code.co_firstlineno}" if code is not None else name
 
 
-def _trace(fn: Callable[..., Any], args: Sequence[Any], source: str = "reprules custom_vjp bwd"
-           ) -> tuple[Any, Any]:
+def _trace(fn: Callable[..., Any], args: Sequence[Any], source: str) -> tuple[Any, Any]:
     """``fn``'s closed jaxpr on ``args`` (flat), and its output tree: what
     ``jax.make_jaxpr(fn, return_shape=True)`` gives, without building a ``jit``
     around it (a third of a small bwd's trace on 0.12)."""
-
     # The names JAX would find by inspecting fn (a third of the trace's own cost): fn is flat.
     debug = api_util.debug_info("reprules custom_vjp bwd", fn, tuple(args), {},
                                 sourceinfo=source, signature=_FLAT_SIGNATURE)
@@ -494,7 +491,6 @@ def _replay(closed: Any, args: Sequence[Any]) -> list[Any]:
     they were typed when traced, with the same inputs. Elsewhere (vmap, jvp,
     eager, or hijax equations that JAX must lower as they are bound) they are
     bound one by one."""
-
     trace = core.trace_ctx.trace
     if (isinstance(trace, pe.DynamicJaxprTrace)
             and not getattr(closed.jaxpr, "is_high", False)  # 0.12 hijax: lowered by JAX's own binds
@@ -593,7 +589,6 @@ def _trace_key(tree: Any, flat: Sequence[Any], dynamic: Sequence[int], dyn_args:
 
 
 def _is_traceable(x: Any) -> bool:
-
     return isinstance(x, (jax.Array, core.Tracer, np.ndarray, np.generic))
 
 
