@@ -155,3 +155,33 @@ def test_profiler_wrapping_jax_after_reprules_is_kept_and_reprules_goes_inert(pa
     with _common._by_jaxpr_lock:
         assert eqn.params["jaxpr"] not in _common._by_jaxpr
     np.testing.assert_array_equal(np.asarray(jax.jit(_copy)(x)), np.asarray(x))
+
+
+def test_the_interpret_lowering_retypes_a_copy_of_the_context_as_replace_would():
+    """The lowering fix rebuilds JAX's (dataclass) lowering context with new avals
+    without dataclasses.replace; a dataclass it cannot rebuild in order goes through
+    .replace. Either way: the same fields, the new avals, the original untouched."""
+    import dataclasses
+
+    from reprules._shim import vma
+
+    @dataclasses.dataclass
+    class Ctx:
+        module_context: object
+        avals_in: list
+        avals_out: list
+        platforms: tuple
+
+        def replace(self, **kw):
+            return dataclasses.replace(self, **kw)
+
+    @dataclasses.dataclass
+    class KeywordCtx(Ctx):
+        extra: int = dataclasses.field(default=0, kw_only=True)
+
+    for cls in (Ctx, KeywordCtx):
+        ctx = cls("m", ["a"], ["b"], ("cpu",))
+        new = vma._retyped(ctx, ["A"], ["B"])
+        assert new == ctx.replace(avals_in=["A"], avals_out=["B"])
+        assert ctx.avals_in == ["a"] and ctx.avals_out == ["b"]
+    assert vma._rebuilders[Ctx] is not None and vma._rebuilders[KeywordCtx] is None

@@ -24,9 +24,11 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any
 
 import jax
@@ -720,10 +722,10 @@ def _weak_or_strong(fn: Any) -> Callable[[], Any]:
 
 def _caller_module() -> str | None:
     """The module of the innermost frame outside reprules (who called the hook)."""
-    import sys
-    from types import FrameType
-
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("reprules."):
+    frame: FrameType | None = sys._getframe(2)  # the hook's caller (the hook is reprules')
+    while frame is not None:
+        name = frame.f_globals.get("__name__")
+        if not (isinstance(name, str) and name.startswith("reprules.")):
+            return name
         frame = frame.f_back
-    return frame.f_globals.get("__name__") if frame is not None else None
+    return None

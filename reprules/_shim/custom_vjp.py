@@ -687,16 +687,19 @@ def _params_axes(params: dict[str, Any]) -> frozenset[str]:
         if key in ("axes", "axis_name"):
             names = value if isinstance(value, (tuple, list, set, frozenset)) else (value,)
             found.update(n for n in names if isinstance(n, str))
+        if type(value) in _PLAIN:  # most params: checked first, as this runs per bwd equation
+            continue
         for sub in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(sub, _PLAIN):
                 continue
             sub = getattr(sub, "jaxpr", sub)
             if hasattr(sub, "eqns"):
                 found |= _jaxpr_axes(sub)
-    return frozenset(found)
+    return frozenset(found) if found else _NO_AXES
 
 
-_PLAIN = (str, int, float, type(None))  # param values that hold no jaxpr
+_PLAIN = (str, int, float, bool, type(None))  # param values that hold no jaxpr
+_NO_AXES: frozenset[str] = frozenset()
 
 
 # A kernel's jaxpr is shared by all its calls (JAX caches its trace): scanned once.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -139,6 +140,40 @@ class _Unannotated(threading.local):
 _unannotated = _Unannotated()
 
 
+def _retyped(ctx: Any, avals_in: list[Any], avals_out: list[Any]) -> Any:
+    """``ctx.replace(avals_in=..., avals_out=...)``, at a fraction of the cost
+    (dataclasses.replace checks every field by name: most of this hook's time)."""
+    cls = type(ctx)
+    if cls not in _rebuilders:
+        _rebuilders[cls] = _ctx_rebuild(cls)
+    rebuild = _rebuilders[cls]
+    return rebuild(ctx, avals_in, avals_out) if rebuild else ctx.replace(avals_in=avals_in, avals_out=avals_out)
+
+
+_rebuilders: dict[type, Callable[[Any, list[Any], list[Any]], Any] | None] = {}
+
+
+def _ctx_rebuild(cls: type) -> Callable[[Any, list[Any], list[Any]], Any] | None:
+    """Rebuilds a ``LoweringRuleContext`` from its fields in order; None if its
+    dataclass takes them otherwise (then ``replace`` is used)."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    fields = dataclasses.fields(cls)
+    if any(not f.init or f.kw_only for f in fields) or hasattr(cls, "__post_init__"):
+        return None
+    names = [f.name for f in fields]
+    if "avals_in" not in names or "avals_out" not in names:
+        return None
+    get, i_in, i_out = operator.attrgetter(*names), names.index("avals_in"), names.index("avals_out")
+
+    def rebuild(ctx: Any, avals_in: list[Any], avals_out: list[Any]) -> Any:
+        values = list(get(ctx))
+        values[i_in], values[i_out] = avals_in, avals_out
+        return cls(*values)
+
+    return rebuild
+
+
 class Regime:
     """Everything the vma and mat regimes do, parameterised by the type field."""
 
@@ -252,10 +287,8 @@ class Regime:
             # Only plain interpret=True (the HLO interpreter) has the carry-type
             # bug; InterpretParams objects take other paths that work.
             if params.get("interpret") is True and _common.registration_of(params) is not None:
-                ctx = ctx.replace(
-                    avals_in=[field.strip(a) for a in ctx.avals_in],
-                    avals_out=[field.strip(a) for a in ctx.avals_out],
-                )
+                ctx = _retyped(ctx, [field.strip(a) for a in ctx.avals_in],
+                               [field.strip(a) for a in ctx.avals_out])
                 with config._check_vma(False):
                     return original(ctx, *in_nodes, **params)
             return original(ctx, *in_nodes, **params)
