@@ -68,6 +68,9 @@ class Decision:
       inputs: One varying set per input, each a superset of that input's
         current set: the input is cast up to it before the call (its cotangent
         is psummed over the added axes). ``None`` passes the inputs as they are.
+        From JAX 0.6 a ``pallas_call``, which JAX cannot transpose, is cast
+        only where an output aliases an input; around it, a ``custom_vjp``'s
+        cotangents get the same psums from reprules.
     """
 
     outputs: tuple[VaryingSet, ...]

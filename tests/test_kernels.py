@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import kernels_a
 import kernels_b
 import reprules
-from helpers import JAX_VERSION, count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
+from helpers import JAX_VERSION, _eqns, count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
 from reprules import rules
 
 
@@ -71,6 +71,53 @@ def test_mixed_inputs_only_the_weight_gradient_is_all_reduced_over_data():
     grad_off = jax.grad(lambda x, w: (unchecked(x, w) * t).sum(), argnums=(0, 1))
     assert any("model" in axes for axes in psum_axes(grad_off, x, w))
     assert max_err(jax.jit(grad_off)(x, w), reference) < 1e-4
+
+
+@pytest.mark.skipif(JAX_VERSION < (0, 6), reason="casts are pvary equations from JAX 0.6 (check_vma)")
+def test_inputs_are_not_cast_when_no_output_aliases_one():
+    """pallas_call has no transpose rule, so a cast of its inputs would only add
+    equations: its outputs are typed by the rule, and a custom_vjp's cotangents
+    are psummed by reprules. The forward has no pvary; the output still varies
+    over `data`; the gradient is exact, with the one psum it needs."""
+    reprules.replication_rule()(scale_kernel)
+    reprules.replication_rule()(weight_grad_kernel)
+    mesh = make_mesh()
+    x = put(randn(0, (8, 128)), mesh, P("data", None))
+    w = put(randn(1, (1, 128)), mesh, P())
+    t = randn(2, (8, 128))
+    sharded = shard_map(kernel_scale, mesh, (P("data", None), P()), P("data", None))
+
+    names = [e.primitive.name for e in _eqns(jax.make_jaxpr(sharded)(x, w).jaxpr)]
+    assert "pallas_call" in names and "pvary" not in names and "pcast" not in names
+    with pytest.raises(ValueError, match="out_specs"):  # typed as varying over `data`
+        jax.jit(shard_map(kernel_scale, mesh, (P("data", None), P()), P()))(x, w)
+
+    grad = jax.grad(lambda x, w: (sharded(x, w) * t).sum(), argnums=(0, 1))
+    reference = jax.grad(lambda x, w: (x * w * t).sum(), argnums=(0, 1))(np.asarray(x), np.asarray(w))
+    assert max_err(jax.jit(grad)(x, w), reference) < 1e-4
+    assert psum_axes(grad, x, w) == [("data",)]
+
+
+def multiply_into_kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...] * w_ref[...]
+
+
+def test_an_output_aliasing_a_replicated_input_varies_by_the_rule():
+    """JAX types an aliased output like its input: that input is cast up to what
+    the rule says (here: `w`, replicated, written with `x`, which varies)."""
+    reprules.replication_rule()(multiply_into_kernel)
+    mesh = make_mesh()
+    x = put(randn(0, (8, 128)), mesh, P("data", None))
+    w = put(randn(1, (2, 128)), mesh, P())
+
+    def body(x, w):
+        return pl.pallas_call(multiply_into_kernel, out_shape=jax.ShapeDtypeStruct(w.shape, w.dtype),
+                              input_output_aliases={1: 0}, interpret=True)(x, w)
+
+    out = jax.jit(shard_map(body, mesh, (P("data", None), P()), P("data", None)))(x, w)
+    assert max_err(out, np.asarray(x) * np.tile(np.asarray(w), (4, 1))) == 0.0
+    with pytest.raises(ValueError, match="out_specs"):  # not typed replicated, like `w`
+        jax.jit(shard_map(body, mesh, (P("data", None), P()), P()))(x, w)
 
 
 # --- several outputs, grid and BlockSpecs ---------------------------------------

@@ -6,9 +6,14 @@ axes it varies over (``ShapedArray.vma``), and a primitive's abstract eval
 must then say ``vma=`` itself. reprules therefore works at the call's bind
 (found by its kernel jaxpr, see ``_common``, whenever the call object was built):
 
-* it asks the kernel's rule for the output sets, types the outputs the user's
-  out_shape left unannotated with them, and casts inputs up with ``pvary``
-  (whose transpose is the needed psum);
+* it asks the kernel's rule for the output sets and types the outputs the
+  user's out_shape left unannotated with them. It casts inputs up with
+  ``pvary`` only where an output aliases an input (JAX types that output like
+  its input): ``pallas_call`` has no transpose rule, so a cast's transpose (a
+  psum) would never run, and the casts would only add equations to stage and
+  lower. A ``custom_vjp`` around the kernel gets its psums from the fix below.
+  User primitives, ``ffi_call`` and ``triton_call`` (``attach``) are cast as
+  the rule says: those can have transposes;
 * it fixes the interpret-mode lowering for registered kernels (JAX's HLO
   interpreter starts output buffers invariant, then its while loop refuses the
   varying body: a carry-type error from 0.6.2 on);
@@ -228,7 +233,10 @@ class Regime:
         decision = decide(reg, ctx, in_vary)
         if isinstance(reg.rule, infer.InferredRule):
             self._check_annotations(params, out_avals, decision.outputs, unannotated)
-        args = (*args[:first], *_cast_inputs(args[first:], in_vary, decision.inputs))
+        # No transpose rule, so no cast is ever transposed: cast only where JAX types an
+        # output like its input (aliasing). See the module docstring.
+        if params.get("input_output_aliases"):
+            args = (*args[:first], *_cast_inputs(args[first:], in_vary, decision.inputs))
         out_avals = tuple(
             self.field.retype(aval, vary) if i in unannotated else aval
             for i, (aval, vary) in enumerate(zip(out_avals, decision.outputs))
