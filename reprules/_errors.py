@@ -107,6 +107,40 @@ def missing_rule_message(
     )
 
 
+def annotation_message(
+    kernel: str, index: int, missing: Iterable[str], needed: Iterable[str],
+    mesh_axes: Iterable[str], jax_version: str, aliased_input: int | None = None,
+) -> str:
+    """Inference found output ``index`` depending on axes its type says it is replicated over.
+
+    ``kernel`` reads like "Pallas kernel 'name'". ``aliased_input``: the input whose
+    buffer the output is; JAX types the output like it, so the user never wrote
+    the type they need to change."""
+    over = tuple(sorted(missing))
+    where = f"(mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version})"
+    why = ("Why: JAX believes that type, so per-device values would be treated as replicated: "
+           "out_specs that drop the axis pass, and a gradient misses its psum.\n")
+    if aliased_input is None:
+        return (
+            f"The out_shape of {kernel} annotates output {index} as replicated over {fmt_axes(over)}, "
+            f"but its body (analysed by reprules.inference()) makes it depend on inputs that vary "
+            f"over {fmt_axes(over)} {where}.\n{why}"
+            f"Fix: annotate the output as varying over {fmt_axes(needed)} (or leave it unannotated "
+            "and let inference type it); if the annotation comes from a library, cast the input it "
+            f"derives its type from up first, e.g. jax.lax.pcast(w, {over!r}, to='varying')."
+        )
+    return (
+        f"Output {index} of {kernel} is the buffer of its input {aliased_input} (aliased: "
+        "input_output_aliases, or a ref that a pl.core_map body writes into), so JAX types it like "
+        f"that input, replicated over {fmt_axes(over)}; but its body (analysed by "
+        f"reprules.inference()) writes into it values that vary over {fmt_axes(over)} {where}.\n"
+        f"{why}"
+        f"Fix: cast the array behind input {aliased_input} up before the kernel (before "
+        f"jax.new_ref, for a ref), e.g. jax.lax.pcast(w, {over!r}, to='varying'); the output is "
+        f"then typed varying over {fmt_axes(needed)}."
+    )
+
+
 class ReplicationMismatchError(ReprulesError, RuntimeError):
     """Verify mode found an output that differs across an axis its rule calls replicated."""
 

@@ -27,6 +27,8 @@ varying over manual axes, so no public path reaches aliasing there.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -90,7 +92,7 @@ def accumulator(seen, cast_up):
         w_ref = jax.new_ref(jax.lax.pcast(w, ("data",), to="varying") if cast_up else w)
 
         @core_map(tc_mesh())
-        def _():
+        def add_x():
             add_into(w_ref, x_ref)
 
         out = w_ref[...]
@@ -118,8 +120,17 @@ def test_a_write_through_the_aliased_ref_is_refused_into_a_replicated_output(mes
 
     with reprules.inference():
         jax.make_jaxpr(f)(x, w)  # traced as JAX types it: the core_map is discharged when lowered
-        with pytest.raises(reprules.RuleError, match=r"annotates output 0 as replicated over \{'data'\}"):
+        with pytest.raises(reprules.RuleError) as refused:
             jax.jit(f)(x, w)
+    # Named by the user's body (not JAX's discharge wrapper), and about the ref, not an out_shape.
+    assert re.match(
+        r"(?s)Output 0 of (Pallas kernel|pl\.kernel \(or pl\.core_map\) body) 'add_x' is the buffer of "
+        r"its input 1 .* replicated over \{'data'\}; but its body .* writes into it values that vary over "
+        rf"\{{'data'\}} \(mesh axes \{{'data', 'model'\}}, JAX {re.escape(jax.__version__)}\)\.\n"
+        r"Why: .*\nFix: cast the array behind input 1 up before the kernel \(before jax\.new_ref, .*"
+        r"jax\.lax\.pcast\(w, \('data',\), to='varying'\)",
+        str(refused.value),
+    ), str(refused.value)
 
 
 def test_a_write_through_the_aliased_ref_cast_up_runs_exactly(mesh):

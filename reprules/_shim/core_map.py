@@ -216,7 +216,9 @@ def kernel_name(params: dict[str, Any]) -> str:
         return reg.name
     from reprules._registry import kernel_name as name_of
 
-    bodies = _bodies_of(params)
+    # A body from JAX's own modules is a wrapper JAX made (a discharged core_map's
+    # 'body'); the name JAX passed on is then the user's.
+    bodies = [b for b in _bodies_of(params) or () if not (getattr(b, "__module__", None) or "").startswith("jax.")]
     if bodies:
         return name_of(bodies[0])
     if params.get("name"):
@@ -640,7 +642,7 @@ class _Hooks:
             if isinstance(reg.rule, infer.InferredRule):
                 kept = [h or (not let and bool(self.field.varying(a)))
                         for a, h, let in zip(out_avals, made.honoured, made.let_through)]
-                self._check_annotations(reg, out_avals, decision.outputs, kept)
+                self._check_annotations(reg, params, out_avals, decision.outputs, kept)
             cast = list(user)
             if decision.inputs is not None:
                 for i, (x, now, target) in enumerate(zip(user, in_vary, decision.inputs)):
@@ -659,14 +661,18 @@ class _Hooks:
 
         return bind
 
-    def _check_annotations(self, reg: Registration, out_avals: Sequence[Any],
+    def _check_annotations(self, reg: Registration, params: dict[str, Any], out_avals: Sequence[Any],
                            derived: Sequence[frozenset[str]], kept: Sequence[bool]) -> None:
         """Under inference, an out_shape annotated by hand (kept as JAX typed it) must not
         claim an output replicated over an axis the body shows it depends on."""
+        aliased = {int(o): int(i) for i, o in dict(params.get("input_output_aliases") or {}).items()}
         for i, (aval, needed, keep) in enumerate(zip(out_avals, derived, kept)):
             missing = needed - self.field.varying(aval)
             if keep and missing:
-                raise _errors.RuleError(_annotation_message(reg.name, i, missing, needed))
+                raise _errors.RuleError(_errors.annotation_message(
+                    f"pl.kernel (or pl.core_map) body {reg.name!r}", i, missing, needed, vma.manual_axes(),
+                    _common.JAX_VERSION, aliased.get(i),
+                ))
 
     def _agreed(self, registered: list[tuple[Any, Registration]], num_bodies: int,
                 in_vary: tuple[frozenset[str], ...], num_out: int) -> Decision:
@@ -702,22 +708,6 @@ def _infer_mpmd(params: dict[str, Any], args: Sequence[Any]) -> Registration | i
 
     key = ("mpmd_map", is_ref, num_out, tuple(sorted(aliases.items())), kernel_axes)
     return infer.kernel_registration(jaxprs, key, kernel_name(params), derive)
-
-
-def _annotation_message(name: str, index: int, missing: frozenset[str], needed: frozenset[str]) -> str:
-    axes = vma.manual_axes()
-    return (
-        f"The out_shape of pl.kernel body {name!r} annotates output {index} as replicated over "
-        f"{_errors.fmt_axes(missing)}, but its body (analysed by reprules.inference()) makes it "
-        f"depend on inputs that vary over {_errors.fmt_axes(missing)} (mesh axes "
-        f"{_errors.fmt_axes(axes)}, JAX {_common.JAX_VERSION}).\n"
-        "Why: JAX believes the annotation, so per-device values would be treated as replicated: "
-        "out_specs that drop the axis pass, and a gradient misses its psum.\n"
-        f"Fix: annotate the output as varying over {_errors.fmt_axes(needed)} (or leave it "
-        "unannotated and let inference type it); if the annotation comes from a library, cast the "
-        "input it derives its type from up first, e.g. "
-        f"jax.lax.pcast(w, {tuple(sorted(missing))!r}, to='varying')."
-    )
 
 
 # Set while reprules traces a pl.kernel body itself (0.8 - 0.9 inference): its hooks stand aside.

@@ -251,23 +251,15 @@ class Regime:
         """Under inference, an out_shape annotated by hand must not claim an output
         replicated over an axis the body shows it depends on: JAX would believe
         the annotation, and the gradient (or out_specs) would silently be wrong."""
+        aliased = {int(o): int(i) for i, o in params.get("input_output_aliases") or ()}
         for i, (aval, needed) in enumerate(zip(out_avals, derived)):
             missing = needed - self.field.varying(aval)
             if i not in unannotated and missing:
                 name = _common.kernel_name_from_params(params)
-                raise _errors.RuleError(
-                    f"The out_shape of Pallas kernel {name!r} annotates output {i} as replicated "
-                    f"over {_errors.fmt_axes(missing)}, but its body (analysed by "
-                    "reprules.inference()) makes it depend on inputs that vary over "
-                    f"{_errors.fmt_axes(missing)} (mesh axes {_errors.fmt_axes(manual_axes())}, "
-                    f"JAX {_common.JAX_VERSION}).\n"
-                    "Why: JAX believes the annotation, so per-device values would be treated as "
-                    "replicated: out_specs that drop the axis pass, and a gradient misses its psum.\n"
-                    f"Fix: annotate the output as varying over {_errors.fmt_axes(needed)} (or leave "
-                    "it unannotated and let inference type it); if the annotation comes from a "
-                    "library, cast the input it derives its type from up first, e.g. "
-                    f"jax.lax.pcast(w, {tuple(sorted(missing))!r}, to='varying')."
-                )
+                raise _errors.RuleError(_errors.annotation_message(
+                    f"Pallas kernel {name!r}", i, missing, needed, manual_axes(), _common.JAX_VERSION,
+                    aliased.get(i),
+                ))
 
     def _maybe_verify(self, reg: Registration, outs: Sequence[Any]) -> None:
         if _mode_state.verifying():
