@@ -10,6 +10,7 @@ test runs with ``jax_custom_vjp3`` off and on where the release has the flag.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
@@ -167,6 +168,73 @@ def test_mixed_cotangent_psummed_in_the_bwd_is_exact(vjp3):
         grad = jax.grad(_mixed_loss(mesh, t, psum_inside=True), argnums=(0, 1))
         assert max_err(jax.jit(grad)(x, w), _expected(x, w, t, extra=6.0)) < 1e-4
         assert psum_axes(grad, x, w) == [("data",)]
+
+
+def _colsum():
+    """A library op with a custom_vjp of its own: JAX casts its replicated ones up
+    (a ``pvary`` over ``data`` inside its body) to multiply the varying input."""
+
+    @jax.custom_vjp
+    def colsum(a):
+        return (a * jnp.ones((1, a.shape[1]), a.dtype)).sum(0, keepdims=True)
+
+    colsum.defvjp(lambda a: (colsum(a), a.shape), lambda shape, g: (jnp.broadcast_to(g, shape),))
+    return colsum
+
+
+@vjp3
+def test_a_custom_vjp_inside_the_bwd_is_followed_not_taken_as_a_collective(vjp3):
+    """The weight cotangent comes from a custom_vjp call whose body casts a value
+    that does not depend on the cotangents: followed inside, it taints nothing, so
+    the cotangent is psummed over exactly data and the gradient is exact."""
+    reprules.replication_rule()(mul_kernel)
+    mesh, x, w, t = _data()
+    colsum = _colsum()
+    with custom_vjp3(vjp3):
+
+        @jax.custom_vjp
+        def mul(x, w):
+            return kernel_mul(x, w)
+
+        mul.defvjp(lambda x, w: (kernel_mul(x, w), (x, w)), lambda res, g: (g * res[1], colsum(g * res[0])))
+        f = shard_map(mul, mesh, (P("data", None), P()), P("data", None))
+        grad = jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1))
+        assert max_err(jax.jit(grad)(x, w), _expected(x, w, t)) < 1e-4
+        assert psum_axes(grad, x, w) == [("data",)]
+
+
+@vjp3
+def test_a_mixed_cotangent_inside_a_custom_vjp_of_the_bwd_is_still_refused(vjp3):
+    """Followed inside, a custom_vjp call that mixes a replicated cotangent part into
+    a varying one is found as before."""
+    reprules.replication_rule()(mul_kernel)
+    mesh, x, w, t = _data()
+
+    @jax.custom_vjp
+    def mix(dw, g_z):
+        return dw + 2.0 * g_z
+
+    mix.defvjp(lambda dw, g_z: (mix(dw, g_z), None), lambda _, g: (g, 2.0 * g))
+    with custom_vjp3(vjp3):
+
+        @jax.custom_vjp
+        def f(x, w):
+            return kernel_mul(x, w), 2.0 * w
+
+        def bwd(res, g):
+            x, w = res
+            g_y, g_z = g
+            return g_y * w, mix((g_y * x).sum(0, keepdims=True), g_z)
+
+        f.defvjp(lambda x, w: (f(x, w), (x, w)), bwd)
+        sharded = shard_map(f, mesh, (P("data", None), P()), (P("data", None), P()))
+
+        def loss(x, w):
+            y, z = sharded(x, w)
+            return (y * t).sum() + (z * 3.0).sum()
+
+        with pytest.raises(reprules.CotangentError, match=r"(?s)input 1 \('w'\).*replicated over 'data'"):
+            jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
 
 
 # --- the three ways a bwd runs (JAX >= 0.6) ---------------------------------------

@@ -193,3 +193,34 @@ def test_without_the_pack_jax_refuses_the_kernel(mesh, cpu_as_tpu):
     f = shard_map(_ragged_dot(cast_weight=False), mesh, (P("data", None), P()), P("data", None))
     with cpu_as_tpu(), pytest.raises(ValueError, match="manual_axis_type"):
         jax.jit(f)(lhs, rhs)
+
+
+@pytest.mark.filterwarnings("ignore:pltpu.create_tensorcore_mesh is deprecated:DeprecationWarning")  # tokamax's
+def test_fused_fp8_matmul_gradients_equal_its_reference_with_checking_off(mesh, cpu_as_tpu, monkeypatch):
+    """tokamax's fused_fp8_matmul: a ``pl.kernel`` under a ``custom_vjp`` whose bwd
+    calls further ``custom_vjp`` and ``custom_vmap`` ops. The cotangent check
+    follows those calls, so the weight's per-shard gradient is psummed over
+    'data' once. fp8 quantisation scales come from each shard's values, so the
+    reference is tokamax's own XLA op on the same shards, with checking off."""
+    from jax._src.pallas.mosaic import core as tpu_core
+    from tokamax._src.ops.experimental.fused_fp8_matmul import base, pallas_mosaic_tpu
+
+    monkeypatch.setattr(tpu_core, "_get_default_num_cores", lambda: 1)  # a CPU device reports None; a v5e has 1
+
+    lhs = put(randn(0, (4 * 256, 256)), mesh, P("data", None)).astype(jnp.bfloat16)
+    rhs = put(randn(1, (256, 256)) * 0.02, mesh, P()).astype(jnp.bfloat16)
+    t = put(randn(2, (4 * 256, 256)), mesh, P("data", None))
+
+    def grads(op, check):
+        f = shard_map(lambda a, b: op(a, b), mesh, (P("data", None), P()), P("data", None), check=check)
+        grad = jax.grad(lambda a, b: (f(a, b).astype(jnp.float32) * t).sum(), argnums=(0, 1))
+        return grad
+
+    with cpu_as_tpu():
+        grad = grads(pallas_mosaic_tpu.PallasMosaicTpuFusedFp8Matmul(), check=True)
+        psums = psum_axes(grad, lhs, rhs)
+        glhs, grhs = jax.jit(grad)(lhs, rhs)
+        ref_lhs, ref_rhs = jax.jit(grads(base.FusedFp8Matmul(), check=False))(lhs, rhs)
+    assert max_err(glhs, ref_lhs) == 0.0
+    assert max_err(grhs, ref_rhs) / np.abs(np.asarray(ref_rhs, np.float32)).max() < 1e-2  # bf16 psum order
+    assert psums == [("data",)]

@@ -633,8 +633,14 @@ def _taints(jaxpr: Any, num_res: int, field: Field) -> list[frozenset[str] | Non
 # results: followed inside, so that a cast of a value that does not depend on
 # the cotangents (a kernel's replicated operand cast up inside a jitted
 # wrapper) is not mistaken for one that does.
+# A custom_vjp or custom_vmap call inside the bwd runs its body there (a library
+# op's own rules apply only when it is differentiated or batched, and compute the
+# same values), so it is followed too, not taken for a collective over every axis
+# its body casts over.
 _CALL_BODIES = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-                "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+                "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
+                "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+                "custom_vmap_call": "call"}
 
 
 def _taint_flow(jaxpr: Any, in_taints: Sequence[frozenset[str] | None], field: Field
