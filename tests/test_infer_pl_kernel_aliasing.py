@@ -7,8 +7,9 @@ JAX, but the one public program that gives inference an aliased kernel is a
 ``pl.core_map`` over refs the caller made with ``jax.new_ref``: JAX
 discharges its ``core_map`` when the program is lowered, still inside the
 checked ``shard_map``, into a kernel that aliases each ref it writes to an
-output. On 0.10 that is an ``mpmd_map`` built by ``mpmd._mpmd_map`` (derived
-by ``infer.for_kernel_bodies``); on 0.8 a ``pallas_call`` (derived by
+output. On 0.9 and 0.10 that is an ``mpmd_map`` built by ``mpmd._mpmd_map``
+(derived by ``infer.for_kernel_bodies``; on 0.9 reprules checks it as JAX
+re-binds it, under inference only); on 0.8 a ``pallas_call`` (derived by
 ``infer.for_pallas_call``). The discharged body writes through the aliased
 *input* ref and never touches its output ref, so the output depends on what
 was written only through the alias.
@@ -20,9 +21,8 @@ replicated, and JAX alone accepts ``out_specs=P()`` and returns device 0's
 sum. With the alias, inference sees the output depend on ``x`` and refuses
 the discharged kernel's replicated out type when the program is compiled.
 
-JAX 0.9 discharges into an ``mpmd_map`` that reprules leaves to JAX (a
-re-bind), and 0.11+ bind ``mpmd_map`` with no aliases and refuse refs
-varying over manual axes, so no public path reaches aliasing there.
+JAX 0.11+ bind ``mpmd_map`` with no aliases and refuse refs varying over
+manual axes, so no public path reaches aliasing there.
 """
 
 from __future__ import annotations
@@ -46,15 +46,11 @@ def _why_not() -> str | None:
     version = jax.__version__
     if not (HAS_KERNEL and CAN_INTERPRET) or core_map is None:
         return f"JAX {version} has no pl.kernel (added in JAX 0.8)"
-    if JAX_VERSION[:2] == (0, 9):
-        return (f"JAX {version} discharges pl.core_map (and pl.kernel) into an mpmd_map bound outside "
-                "pl.kernel's wrapper, a re-bind reprules leaves to JAX: no public path gives inference "
-                "an aliased kernel")
     if JAX_VERSION[:2] >= (0, 11):
         return (f"JAX {version}: pl.kernel and pl.core_map bind mpmd_map with no input_output_aliases "
                 "(JAX's discharge re-binds it), and mpmd_map refuses refs varying over manual axes: "
                 "no public path gives inference an aliased kernel")
-    return None  # 0.8: discharged into a pallas_call; 0.10: into an mpmd_map from mpmd._mpmd_map
+    return None  # 0.8: discharged into a pallas_call; 0.9 - 0.10: into an mpmd_map from mpmd._mpmd_map
 
 
 pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")

@@ -373,6 +373,9 @@ _outputs_lock = threading.Lock()
 _letting_through: contextvars.ContextVar[bool] = contextvars.ContextVar("reprules_mpmd_let", default=False)
 # 0.8 - 0.9: the body whose core_map JAX is discharging (into a pallas_call or an mpmd_map).
 _discharging: contextvars.ContextVar[Any] = contextvars.ContextVar("reprules_discharging", default=None)
+# 0.9: JAX is discharging a core_map without a rule under reprules.inference().
+_discharging_inferred: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "reprules_discharging_inferred", default=False)
 
 
 class _Hooks:
@@ -524,7 +527,13 @@ class _Hooks:
         def discharge(*args: Any, **params: Any) -> Any:
             reg = registration_of(params)
             if reg is None:
-                return original(*args, **params)
+                if not _mode_state.inferring():
+                    return original(*args, **params)
+                token = _discharging_inferred.set(True)
+                try:
+                    return original(*args, **params)
+                finally:
+                    _discharging_inferred.reset(token)
             token = _discharging.set(reg.kernel())
             try:
                 with _common.tracing(reg):
@@ -599,6 +608,8 @@ class _Hooks:
                 body = _discharging.get()
                 if body is not None:  # 0.9: a registered body's core_map, discharged
                     _remember(params.get("jaxprs", ()), body)
+                elif _discharging_inferred.get() and vma.checking() and vma.manual_axes():
+                    self._check_discharged(params, args)  # 0.9: one without a rule, under inference
                 return original(*args, **params)  # a re-bind (discharge, vmap, lowering)
             local = _locals(wrapper)
             fns = [fn for _, fn in local.get("meshes_and_fns", ())]
@@ -660,6 +671,19 @@ class _Hooks:
             return out
 
         return bind
+
+    def _check_discharged(self, params: dict[str, Any], args: Sequence[Any]) -> None:
+        """0.9: the ``mpmd_map`` JAX discharges a rule-less ``core_map`` into, under
+        inference. Each output is the buffer of a ref the body writes into, typed by
+        JAX like that ref; the derived rule must not need it to vary over more (as
+        on 0.8 and 0.10, where the discharged kernel's own bind is checked). A
+        refusal leaves JAX's types, as for any kernel inference cannot follow."""
+        found = _infer_mpmd(params, args)
+        if not isinstance(found, Registration):
+            return
+        out_avals = tuple(params.get("out_avals", ()))
+        decision = decide(found, self._context(found, len(args), len(out_avals)), self._in_varying(args))
+        self._check_annotations(found, params, out_avals, decision.outputs, [True] * len(out_avals))
 
     def _check_annotations(self, reg: Registration, params: dict[str, Any], out_avals: Sequence[Any],
                            derived: Sequence[frozenset[str]], kept: Sequence[bool]) -> None:
