@@ -10,6 +10,7 @@ prints the devices a collective runs over in several syntaxes, all handled by
 ``[2,2]<=[4]``                             iota groups (HLO)
 ``[2,4]<=[4,2]T(1,0)``                     transposed iota groups (HLO)
 ``mesh['data'=4,'model'=2] {'model'}``     mesh axes (HLO, JAX >= 0.12)
+``mesh['axis_0'=4,'axis_3'=2] {'axis_0'}``  XLA's own mesh, read as device groups (HLO)
 ``dense<[[0, 2], [1, 3]]> : tensor<2x2xi64>``  explicit groups (StableHLO)
 ``#stablehlo.replica_group_mesh_axes<...>``    mesh axes (StableHLO, JAX >= 0.12)
 =========================================  ===================================
@@ -49,6 +50,9 @@ class Groups:
     ids: tuple[tuple[int, ...], ...] | None = None
     axes: tuple[str, ...] | None = None
     pairs: bool = False  # ids are collective-permute (source, target) pairs
+    # With ``axes``: the printed mesh, ``(name, size)`` in order. XLA may print a
+    # mesh of its own (``'axis_0'=4, ...``) when it combines collectives.
+    mesh: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,6 +100,7 @@ def nbytes(dtype: str, shapes: Sequence[Sequence[int]]) -> int:
 
 _IOTA = re.compile(r"\[([\d,\s]*)\]\s*<=\s*\[([\d,\s]*)\](?:\s*T\(([\d,\s]*)\))?")
 _HLO_MESH = re.compile(r"mesh\[[^\]]*\]\s*\{([^}]*)\}")
+_HLO_MESH_AXIS = re.compile(r"'([^']+)'\s*=\s*(\d+)")
 _SHLO_MESH_AXIS = re.compile(r'axis_ref<\s*name\s*=\s*"([^"]+)"')
 _DENSE = re.compile(r"dense<(.*?)>\s*:\s*tensor<([\dx]*)x?i\d+>", re.S)
 
@@ -136,7 +141,8 @@ def parse_groups(text: str, *, pairs: bool = False) -> Groups:
     text = text.strip()
     m = _HLO_MESH.search(text)
     if m and text.startswith("mesh"):
-        return Groups(axes=tuple(re.findall(r"'([^']+)'", m.group(1))))
+        sizes = tuple((name, int(size)) for name, size in _HLO_MESH_AXIS.findall(m.group(0)))
+        return Groups(axes=tuple(re.findall(r"'([^']+)'", m.group(1))), mesh=sizes or None)
     if "replica_group_mesh_axes" in text:
         return Groups(axes=tuple(_SHLO_MESH_AXIS.findall(text)))
     m = _DENSE.search(text)
@@ -167,12 +173,18 @@ def groups_to_axes(groups: Groups, mesh_shape: Mapping[str, int]) -> tuple[str, 
     how JAX numbers devices in the collectives it lowers.
     """
     names = list(mesh_shape)
+    sizes = [mesh_shape[n] for n in names]
+    total = math.prod(sizes)
+    if groups.axes is not None and groups.mesh is not None and not set(groups.axes) <= set(names):
+        # XLA's own mesh (a combined collective): its devices in row-major order, as
+        # the mesh's; read back as groups of ids, then matched against this mesh.
+        if math.prod(size for _, size in groups.mesh) != total:
+            return None
+        return groups_to_axes(_mesh_groups(groups.mesh, groups.axes), mesh_shape)
     if groups.axes is not None:
         return tuple(a for a in names if a in groups.axes) + tuple(a for a in groups.axes if a not in names)
     if groups.ids is None:
         return None
-    sizes = [mesh_shape[n] for n in names]
-    total = math.prod(sizes)
     if groups.ids == () or groups.ids == ((),):
         return tuple(names)
     coords = {i: _unravel(i, sizes) for i in range(total)}
@@ -194,6 +206,17 @@ def groups_to_axes(groups: Groups, mesh_shape: Mapping[str, int]) -> tuple[str, 
             if {frozenset(v) for v in expected.values()} == found:
                 return tuple(names[k] for k in subset)
     return None
+
+
+def _mesh_groups(mesh: Sequence[tuple[str, int]], axes: Sequence[str]) -> Groups:
+    """The device groups of a collective over ``axes`` of a row-major ``mesh``."""
+    sizes = [size for _, size in mesh]
+    reduced = [name in axes for name, _ in mesh]
+    by_rest: dict[tuple[int, ...], list[int]] = {}
+    for i in range(math.prod(sizes)):
+        coords = _unravel(i, sizes)
+        by_rest.setdefault(tuple(c for c, r in zip(coords, reduced) if not r), []).append(i)
+    return Groups(ids=tuple(tuple(g) for g in by_rest.values()))
 
 
 def _unravel(i: int, sizes: Sequence[int]) -> tuple[int, ...]:

@@ -41,6 +41,10 @@ def test_replica_group_syntaxes(text, ids):
         ("{}", ("data", "model")),
         ("{{0,1,2,3,4,5,6,7}}", ("data", "model")),
         ("mesh['data'=4,'model'=2] {'model'}", ("model",)),
+        # XLA's own mesh, as JAX 0.10's multi-process compile prints a combined all-reduce
+        ("mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2] {'axis_0'}", ("data",)),
+        ("mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2] {'axis_3'}", ("model",)),
+        ("mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}", ("data", "model")),
         ('#stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [#stablehlo.axis_ref<name = "data">]>',
          ("data",)),
     ],
@@ -51,6 +55,8 @@ def test_groups_map_back_to_mesh_axes(text, axes):
 
 def test_groups_matching_no_axes_give_none():
     assert _hlo.groups_to_axes(_hlo.parse_groups("{{0,3},{1,2},{4,7},{5,6}}"), MESH) is None
+    assert _hlo.groups_to_axes(_hlo.parse_groups("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}"), MESH) is None
+    assert _hlo.groups_to_axes(_hlo.parse_groups("mesh['axis_0'=4] {'axis_0'}"), MESH) is None  # 4 of 8
 
 
 def test_collective_permute_pairs_map_to_the_axis_they_cross():

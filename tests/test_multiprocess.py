@@ -45,15 +45,6 @@ pytestmark = pytest.mark.skipif(
 
 STEPS = ("issue21855", "dp_mlp", "tp_mlp", "transformer")
 
-# JAX 0.10's multi-process CPU compile (gloo) leaves the transformer's weight-gradient
-# all-reduces out of the compiled HLO text our matcher reads (in jaxpr and StableHLO, values
-# exact: test_same_loss_and_gradients_as_one_process). Seen on 0.10.2 only, before and after
-# this stop's changes; 0.8, 0.9, 0.11 and 0.12 match at every level.
-JAX_010_HLO = pytest.mark.xfail(
-    jax.__version_info__[:2] == (0, 10), strict=True,
-    reason="JAX 0.10 multi-process: weight-gradient all-reduces not matched in compiled HLO",
-)
-
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -181,7 +172,7 @@ def test_same_loss_and_gradients_as_one_process(runs, name):
         np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=JAX_010_HLO) if n == "transformer" else n for n in STEPS])
+@pytest.mark.parametrize("name", STEPS)
 def test_only_the_needed_collectives(runs, name):
     processes, single = runs
     want = sorted(list(a) for a in single[name][3])
@@ -196,7 +187,6 @@ def test_only_the_needed_collectives(runs, name):
                 assert c["levels"] == ["jaxpr", "stablehlo", "hlo"], c["describe"]
 
 
-@JAX_010_HLO
 def test_transformer_bytes_per_process(runs):
     """Each device of each process moves what the formula (reprules._scale) says one
     device of the 8 needs: the program's all-reduces, nothing defensive (compiled HLO
