@@ -26,3 +26,11 @@ def _clean_registry():
         kernel = reg.kernel()
         if kernel is not None:
             reprules.unregister(kernel)
+
+
+@pytest.fixture
+def mesh():
+    """The (4, 2) ('data', 'model') mesh most tests run on."""
+    from helpers import make_mesh
+
+    return make_mesh()

@@ -32,7 +32,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import JAX_VERSION, count_all_reduce, make_mesh, max_err, psum_axes, put, shard_map
+from helpers import JAX_VERSION, count_all_reduce, max_err, psum_axes, put, shard_map
 
 try:
     from jax.experimental.pallas import tpu as pltpu
@@ -53,11 +53,6 @@ def _op(path, run=True):
         pytest.skip(f"tpu.{path} takes no interpret argument; JAX {jax.__version__} has no "
                     "pltpu.force_tpu_interpret_mode (0.7+) to run it on CPU")
     return module
-
-
-@pytest.fixture
-def mesh():
-    return make_mesh()
 
 
 def _kernels_inferred(fn, *args):

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
+from helpers import count_all_reduce, max_err, psum_axes, put, randn, shard_map
 from reprules import rules
 from test_pl_kernel import _tpu_interpret  # noqa: F401 - autouse fixture: pl.kernel runs in TPU interpret mode
 from test_pl_kernel import CAN_INTERPRET, HAS_KERNEL, JAX_VERSION, MPMD, pltpu, sds, tc_mesh
@@ -30,11 +30,6 @@ from test_pl_kernel import CAN_INTERPRET, HAS_KERNEL, JAX_VERSION, MPMD, pltpu, 
 pytestmark = pytest.mark.skipif(
     not (HAS_KERNEL and CAN_INTERPRET), reason=f"JAX {jax.__version__} has no pl.kernel (added in JAX 0.8)"
 )
-
-
-@pytest.fixture
-def mesh():
-    return make_mesh()
 
 
 # --- kernels: closures, a new body on every call ----------------------------------------

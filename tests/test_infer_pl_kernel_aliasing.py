@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import JAX_VERSION, make_mesh, max_err, put, randn, shard_map
+from helpers import JAX_VERSION, max_err, put, randn, shard_map
 from test_pl_kernel import _tpu_interpret  # noqa: F401 - autouse fixture: pl.kernel runs in TPU interpret mode
 from test_pl_kernel import CAN_INTERPRET, HAS_KERNEL, core_map, pltpu, tc_mesh
 
@@ -54,11 +54,6 @@ def _why_not() -> str | None:
 
 
 pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
-
-
-@pytest.fixture
-def mesh():
-    return make_mesh()
 
 
 def add_into(w_ref, x_ref):

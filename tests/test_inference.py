@@ -20,7 +20,6 @@ from helpers import (
     NEW_SHARD_MAP,
     count_all_reduce,
     env_with_cpu_devices,
-    make_mesh,
     max_err,
     psum_axes,
     put,
@@ -85,11 +84,6 @@ def two_outputs(x, w, *, guard=False):
 
     shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype))
     return pl.pallas_call(kernel, out_shape=shapes, interpret=True)(x, w)
-
-
-@pytest.fixture
-def mesh():
-    return make_mesh()
 
 
 def test_closure_kernel_in_21855_model_has_no_psum_and_exact_gradients(mesh):

@@ -14,7 +14,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
+from helpers import count_all_reduce, max_err, psum_axes, put, randn, shard_map
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
@@ -132,11 +132,6 @@ def inferred(kpkg):
     """The package's kernels get derived rules (what a pack would register)."""
     reprules.replication_rule(rules.inferred())(reprules.kernels_in("kpkg"))
     return kpkg
-
-
-@pytest.fixture
-def mesh():
-    return make_mesh()
 
 
 def test_closure_kernel_in_21855_model_has_no_psum_and_exact_gradients(inferred, mesh):

@@ -12,11 +12,6 @@ from helpers import JAX_VERSION, copy_kernel, kernel_copy, make_mesh, put, randn
 from reprules import testing
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return make_mesh()
-
-
 def _issue21855(mesh, check, constant=False):
     x = put(randn(0, (8, 128)), mesh, P("data", None))
     w = randn(1, (8, 128))

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import make_mesh, max_err, psum_axes, put, randn, shard_map
+from helpers import max_err, psum_axes, put, randn, shard_map
 from jax.sharding import PartitionSpec as P
 
 import reprules
@@ -48,11 +48,6 @@ if not hasattr(pltpu, "force_tpu_interpret_mode"):
 
 SIZES = (48, 80)  # two ragged groups in each data shard of 128 rows
 M, K, N = 512, 128, 128  # tokamax's TPU gmm wants every non-group dimension >= 128
-
-
-@pytest.fixture
-def mesh():
-    return make_mesh()
 
 
 @pytest.fixture(autouse=True)
