@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Hashable, Sequence, Set
+from collections.abc import Callable, Hashable, Sequence, Set
 
 from reprules import rules
 
@@ -52,10 +52,20 @@ def cache_clear() -> None:
 
 def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ...]) -> Decision:
     """Calls ``reg.rule`` and validates the answer against ``ctx`` (cached for built-in rules)."""
+    return decide_call(reg, in_varying, ctx.mesh_axes, ctx.num_outputs, lambda: ctx, ctx.num_inputs)
+
+
+def decide_call(reg: Registration, in_varying: tuple[VaryingSet, ...], mesh_axes: Sequence[str],
+                num_outputs: int, context: Callable[[], RuleContext], num_inputs: int | None = None) -> Decision:
+    """:func:`decide` for one call inside ``mesh_axes``, with ``num_inputs`` inputs (by default
+    one per varying set) and ``num_outputs`` outputs. Its RuleContext is built (``context()``)
+    only when the rule is asked: a cached decision needs none, and building one costs as much
+    as the lookup."""
     rule = reg.rule
     if type(rule) not in _PURE_RULES:
-        return _decide(reg, ctx, in_varying)
-    key = (rule, tuple(in_varying), tuple(ctx.mesh_axes), ctx.num_inputs, ctx.num_outputs)
+        return _decide(reg, context(), in_varying)
+    num_inputs = len(in_varying) if num_inputs is None else num_inputs
+    key = (rule, tuple(in_varying), tuple(mesh_axes), num_inputs, num_outputs)
     try:
         with _cache_lock:
             found = _cache.get(key)
@@ -64,8 +74,8 @@ def decide(reg: Registration, ctx: RuleContext, in_varying: tuple[VaryingSet, ..
                 _stats["hits"] += 1
                 return found
     except TypeError:  # an unhashable varying set: not from reprules' shims, do not cache
-        return _decide(reg, ctx, in_varying)
-    decision = _decide(reg, ctx, in_varying)  # raises (and caches nothing) for a bad call
+        return _decide(reg, context(), in_varying)
+    decision = _decide(reg, context(), in_varying)  # raises (and caches nothing) for a bad call
     with _cache_lock:
         _stats["misses"] += 1
         _cache[key] = decision

@@ -44,6 +44,13 @@ def _pending_out_shapes() -> int:
     return len(getattr(pending, "items", ()))
 
 
+def _refused_out_shapes() -> int:
+    from reprules._shim import vma
+
+    refused = getattr(vma, "_refused", None)  # vma/mat regimes only
+    return len(getattr(refused, "_items", ()))
+
+
 def _sizes(kernel=None) -> dict[str, int]:
     """reprules' table sizes; the weak tables counted for ``kernel`` only when given (other
     tests' kernels may still sit in JAX's caches, and so in these tables)."""
@@ -59,6 +66,7 @@ def _sizes(kernel=None) -> dict[str, int]:
         "registry": len(_registry._rules) + len(_registry._targets),
         "decisions": _decide.cache_info()["size"],
         "pending_out_shapes": _pending_out_shapes(),
+        "refused_out_shapes": _refused_out_shapes(),
         "patched_primitives": len(_shim._attached),
         "kernel_jaxprs": len(by_jaxpr),
         "direct_jaxprs": direct if kernel is not None else len(_common._direct),
@@ -101,7 +109,7 @@ def test_tables_stay_bounded_and_hold_only_what_jax_keeps():
     gc.collect()
     late = _sizes(kernel)
     # reprules' own tables: exactly as large after many functions as after a few.
-    for table in ("registry", "decisions", "pending_out_shapes", "patched_primitives"):
+    for table in ("registry", "decisions", "pending_out_shapes", "refused_out_shapes", "patched_primitives"):
         assert late[table] == early[table], (table, early, late)
     assert late["registry"] == before["registry"] + 1 and late["pending_out_shapes"] == 0, (before, late)
     assert late["kernel_jaxprs"] > 0 and late["direct_jaxprs"] > 0, late  # `kept` holds one

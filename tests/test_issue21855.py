@@ -73,6 +73,31 @@ def test_without_rule_checking_fails_with_a_teaching_error(setup):
     assert "@reprules.replication_rule()" in message
 
 
+def test_missing_rule_error_is_the_same_at_every_call(setup):
+    """The out_shape JAX refused at a kernel's first call is not asked about again
+    (reprules keeps JAX's refusal): later calls raise the same error, and a call of
+    the same out_shape with a rule in between changes nothing for one without."""
+    mesh, x, w = setup
+
+    def other_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    reprules.replication_rule()(other_kernel)  # reprules active, copy_kernel not registered
+
+    def error() -> reprules.MissingRuleError:
+        with pytest.raises(reprules.MissingRuleError) as info:
+            jax.grad(make_loss(mesh, w, check=True))(x)
+        return info.value
+
+    first, second = error(), error()
+    assert str(first) == str(second) and "'copy_kernel'" in str(first)
+    assert type(first.__cause__) is type(second.__cause__), (first.__cause__, second.__cause__)
+    reprules.replication_rule()(copy_kernel)  # the same out_shape, now typed by a rule
+    assert max_err(jax.jit(jax.grad(make_loss(mesh, w, check=True)))(x), w) < 1e-6
+    reprules.unregister(copy_kernel)
+    assert str(error()) == str(first)
+
+
 def test_without_any_registration_jax_error_is_untouched(setup):
     mesh, x, w = setup
     assert not reprules.registered()

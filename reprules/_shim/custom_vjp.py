@@ -62,7 +62,10 @@ class _Call:
     with_logs: bool
     watch: _common.Watch = dataclasses.field(default_factory=_common.Watch)
     primal_types: tuple[Any, ...] | None = None  # per differentiable argument, a pytree of types
-    fwd_args: tuple[Any, ...] = ()  # the fwd's arguments, arrays as their types
+    # The fwd's arguments, flattened (arrays as their types), and their tree: read only
+    # on the rare path that traces the fwd again (_fwd_involves_registered).
+    fwd_leaves: list[Any] = dataclasses.field(default_factory=list)
+    fwd_tree: Any = None
 
     @property
     def name(self) -> str:
@@ -81,7 +84,7 @@ class _Call:
         types = [type_of(x) for x in flat]
         typed = jax.tree_util.tree_unflatten(tree, types)
         self.primal_types = tuple(t for i, t in enumerate(typed) if i not in self.static)
-        self.fwd_args = jax.tree_util.tree_unflatten(tree, [t or x for t, x in zip(types, flat)])
+        self.fwd_leaves, self.fwd_tree = [t or x for t, x in zip(types, flat)], tree
 
 
 def install(patches: _common.Patches, field: Field) -> None:
@@ -220,7 +223,7 @@ def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: _Call, fi
 
 
 def _fwd_involves_registered(fwd: Callable[..., Any], call: _Call) -> bool:
-    flat, tree = jax.tree_util.tree_flatten(call.fwd_args)
+    flat, tree = call.fwd_leaves, call.fwd_tree
     dynamic = [i for i, x in enumerate(flat) if isinstance(x, core.AbstractValue)]
 
     def flat_fwd(*xs: Any) -> Any:

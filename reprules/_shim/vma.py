@@ -38,7 +38,7 @@ from jax._src import config, core
 from jax._src import mesh as mesh_lib
 
 from reprules import _errors, _mode_state
-from reprules._decide import decide
+from reprules._decide import decide, decide_call
 from reprules._registry import Registration
 from reprules._shim import _common, _verify, custom_vjp, infer
 from reprules.rules import RuleContext
@@ -145,6 +145,44 @@ class _Unannotated(threading.local):
 _unannotated = _Unannotated()
 
 
+class _RefusedLeaves:
+    """Unannotated out_shape leaves JAX refused under checking: per leaf, the same
+    leaf typed replicated (what JAX is given instead) and JAX's refusal. A model
+    builds the same out_shape at every call of a kernel; this spares it a raise
+    and a ShapeDtypeStruct each time. Keyed by exactly the fields
+    :meth:`Regime._annotate` reads; bounded (it holds no tracer, no kernel)."""
+
+    LIMIT = 256
+
+    def __init__(self) -> None:
+        self._items: dict[Any, tuple[jax.ShapeDtypeStruct, Exception]] = {}
+
+    @staticmethod
+    def _key(leaf: Any) -> Any:
+        return (type(leaf), leaf.shape, leaf.dtype, leaf.sharding, leaf.weak_type)
+
+    def get(self, leaf: Any) -> tuple[jax.ShapeDtypeStruct, Exception] | None:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return None
+        try:
+            return self._items.get(self._key(leaf))
+        except TypeError:  # an unhashable sharding: asked every time
+            return None
+
+    def put(self, leaf: Any, value: tuple[jax.ShapeDtypeStruct, Exception]) -> None:
+        try:
+            key = self._key(leaf)
+            hash(key)
+        except TypeError:
+            return
+        if len(self._items) >= self.LIMIT:
+            self._items.clear()
+        self._items[key] = value
+
+
+_refused = _RefusedLeaves()
+
+
 def _retyped(ctx: Any, avals_in: list[Any], avals_out: list[Any]) -> Any:
     """``ctx.replace(avals_in=..., avals_out=...)``, at a fraction of the cost
     (dataclasses.replace checks every field by name: most of this hook's time)."""
@@ -195,15 +233,22 @@ class Regime:
     def _convert_out_shape(self, original: Callable[[Any], Any], leaf: Any) -> Any:
         if not checking() or self.field.annotated(leaf):
             return original(leaf)  # no checking, or the user's own annotation (it wins)
-        try:
-            aval = original(leaf)
-            refusal = None
-        except ValueError as err:  # an unannotated ShapeDtypeStruct under checking
-            if not isinstance(leaf, jax.ShapeDtypeStruct):
-                raise
-            # Kept without its traceback: that would hold every frame of the
-            # trace alive (tracers included) until the garbage collector runs.
-            aval, refusal = original(self._annotate(leaf, frozenset())), err.with_traceback(None)
+        known = _refused.get(leaf)
+        if known is not None:  # refused before: not asked again (a raise costs more than the rest)
+            replicated, refusal = known
+            aval = original(replicated)
+        else:
+            try:
+                aval = original(leaf)
+                refusal = None
+            except ValueError as err:  # an unannotated ShapeDtypeStruct under checking
+                if not isinstance(leaf, jax.ShapeDtypeStruct):
+                    raise
+                # Kept without its traceback: that would hold every frame of the
+                # trace alive (tracers included) until the garbage collector runs.
+                replicated, refusal = self._annotate(leaf, frozenset()), err.with_traceback(None)
+                _refused.put(leaf, (replicated, refusal))
+                aval = original(replicated)
         _unannotated.add(aval, refusal)
         return aval
 
@@ -229,8 +274,8 @@ class Regime:
         out_avals = tuple(params["out_avals"])
         varying = self.field.varying
         in_vary = tuple([varying(jax.typeof(a)) for a in args[first:]])
-        ctx = _common.rule_context(reg, manual, len(in_vary), len(out_avals))
-        decision = decide(reg, ctx, in_vary)
+        decision = decide_call(reg, in_vary, manual, len(out_avals),
+                               lambda: _common.rule_context(reg, manual, len(in_vary), len(out_avals)))
         if isinstance(reg.rule, infer.InferredRule):
             self._check_annotations(params, out_avals, decision.outputs, unannotated)
         # No transpose rule, so no cast is ever transposed: cast only where JAX types an
