@@ -2,12 +2,13 @@
 keeps reprules' tables bounded, and a kernel nobody references is collected.
 
 reprules' tables (registry, decision cache, the per-thread out_shape hand-off,
-the patch bookkeeping) must not grow with the number of traced functions. Its
-two weak tables (kernel jaxpr -> kernel, and the set of kernel jaxprs traced
-straight from a kernel) may only hold what JAX's own caches keep alive: JAX
-0.4.28 and 0.12 trace a kernel once per shape, 0.6.2 keeps a kernel jaxpr per
-call site in its bounded ``weakref_lru_cache``. So after ``jax.clear_caches()``
-they must be empty again, and they must empty when the kernel dies.
+the out_shape leaves JAX refused, the patch bookkeeping) must not grow with the
+number of traced functions. Its two weak tables (kernel jaxpr -> kernel, and the
+set of kernel jaxprs traced straight from a kernel) may only hold what JAX's own
+caches keep alive: JAX 0.4.28 and 0.12 trace a kernel once per shape, 0.6.2
+keeps a kernel jaxpr per call site in its bounded ``weakref_lru_cache``. So
+after ``jax.clear_caches()`` they must be empty again, and they must empty when
+the kernel dies.
 """
 
 from __future__ import annotations
