@@ -39,3 +39,8 @@ def strict_on() -> bool:
 
 def inferring() -> bool:
     return _depth["infer"] > 0 or _env_on(INFER_ENV)
+
+
+def modes() -> tuple[bool, bool, bool]:
+    """(verifying, strict, inferring), as a trace cache key."""
+    return verifying(), strict_on(), inferring()

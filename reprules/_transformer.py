@@ -205,9 +205,19 @@ def _sds(shape: tuple[int, ...], dtype: Any, axes: frozenset[str] | None) -> Any
 
     if axes is None:
         return jax.ShapeDtypeStruct(shape, dtype)
-    if "manual_axis_type" in inspect.signature(jax.ShapeDtypeStruct.__init__).parameters:  # 0.10+
+    if _sds_keyword() == "manual_axis_type":  # 0.10+
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
     return jax.ShapeDtypeStruct(shape, dtype, **{"vma": axes})  # 0.6 - 0.9
+
+
+@functools.cache
+def _sds_keyword() -> str:
+    """How ShapeDtypeStruct takes varying axes here (read once: the hand variant's
+    trace time is compared with reprules')."""
+    import jax
+
+    params = inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
+    return "manual_axis_type" if "manual_axis_type" in params else "vma"
 
 
 def _psum_extra(ct: Any, primal_axes: frozenset[str]) -> Any:

@@ -150,6 +150,10 @@ def test_benchmark_smoke(tmp_path):
         assert c["off"]["defensive_bytes"] > 0, (name, c["off"])
         assert set(w["step_s"]) == set(w["variants"]) and w["step_s"]["off"]["n"] == 2
         assert "reprules/off" in w["step_ratio"] and "reprules/off" in w["lower_ratio"]
+        # One round (at stack depth 1): its raw times, and its ratio as the one depth's.
+        rounds = w["lower_rounds_s"]
+        assert set(rounds) == set(w["variants"]) and all(len(t) == 1 for t in rounds.values()), rounds
+        assert w["lower_ratio_by_depth"]["reprules/off"] == [rounds["reprules"][0] / rounds["off"][0]]
         if "hand" in w["variants"]:
             assert c["hand"]["defensive_bytes"] == 0 and "reprules/hand" in w["step_ratio"]
         else:

@@ -584,13 +584,24 @@ def measure(w: Workload, mesh: Any, repeats: int, warmup: int, lower_repeats: in
                 lower[v].append(best)
                 lower_cpu[v].append(best_cpu)
         gc.collect()
+    result["lower_rounds_s"] = lower  # per timed round: the i-th ran at stack offset (i + 1) % STACK_OFFSETS
     result["lower_s"] = {v: stats(t) for v, t in lower.items()}
     result["lower_cpu_s"] = {v: stats(t) for v, t in lower_cpu.items()}
     result["lower_ratio"] = {f"{a}/{b}": paired_ratio(lower[a], lower[b]) for a, b in RATIOS
                              if a in variants and b in variants}
     result["lower_cpu_ratio"] = {f"{a}/{b}": paired_ratio(lower_cpu[a], lower_cpu[b]) for a, b in RATIOS
                                  if a in variants and b in variants}
+    depths = [(i + 1) % STACK_OFFSETS for i in range(lower_repeats)]
+    result["lower_ratio_by_depth"] = {f"{a}/{b}": ratio_by_depth(lower[a], lower[b], depths) for a, b in RATIOS
+                                      if a in variants and b in variants}
     return result
+
+
+def ratio_by_depth(num: Sequence[float], den: Sequence[float], depths: Sequence[int]) -> list[float]:
+    """Per stack depth, the ratio of the median times of its rounds (the depth moves
+    where CPython's frame chunks are mapped and unmapped: see STACK_OFFSETS)."""
+    n, d, at = np.asarray(num), np.asarray(den), np.asarray(depths)
+    return [float(np.median(n[at == k]) / np.median(d[at == k])) for k in sorted(set(depths))]
 
 
 def import_time(repeats: int) -> dict[str, Any]:
@@ -724,6 +735,10 @@ def print_report(results: dict[str, Any]) -> None:
             continue
         print(f"  {name:18}" + ", ".join(f"{v} {r['lower_s'][v]['median']:.3f} / {r['lower_cpu_s'][v]['median']:.3f}"
                                          for v in r["lower_s"]))
+        depth = r.get("lower_ratio_by_depth", {}).get("reprules/off")
+        if depth and len(depth) > 1:
+            print(f"  {'':18}reprules vs off by stack depth ({len(depth)} depths, ratio of medians): "
+                  f"min {min(depth):.3f}, median {float(np.median(depth)):.3f}, max {max(depth):.3f}")
     imp = results["import"]["reprules_on_top_of_jax_s"]
     print(f"\nimport reprules on top of import jax: {imp['median'] * 1e3:.1f} ms "
           f"[{imp['p25'] * 1e3:.1f}, {imp['p75'] * 1e3:.1f}] over {imp['n']} fresh interpreters")

@@ -261,13 +261,14 @@ def collective_axes(eqn: Any, scan: Callable[[Any], frozenset[str]]) -> frozense
     up, output refs made varying) are left out. They are what a ``pallas_call``'s
     casts are outside its equation, and are judged the same way: a cotangent
     input replicated over an axis the call's outputs vary over taints them."""
+    if eqn.primitive.name not in ("pjit", "jit"):
+        return scan(eqn)
     from jax._src import core
 
     closed = eqn.params.get("jaxpr")
     inner: Any = getattr(closed, "jaxpr", None)
     pvary_p = getattr(core, "pvary_p", None)
-    if (eqn.primitive.name not in ("pjit", "jit") or pvary_p is None or not hasattr(inner, "eqns")
-            or not _calls_registered_core_map(inner)):
+    if pvary_p is None or not hasattr(inner, "eqns") or not _calls_registered_core_map(inner):
         return scan(eqn)
     return frozenset().union(*(scan(e) for e in inner.eqns if e.primitive is not pvary_p))
 

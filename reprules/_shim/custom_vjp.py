@@ -185,7 +185,8 @@ def _wraps(wrapped: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 def _type_of(x: Any) -> Any:
-    x = getattr(x, "value", x)  # symbolic_zeros: fwd gets CustomVJPPrimal(value, perturbed)
+    if not isinstance(x, core.Tracer):  # (a tracer's getattr would ask its type for .value)
+        x = getattr(x, "value", x)  # symbolic_zeros: fwd gets CustomVJPPrimal(value, perturbed)
     try:
         return jax.typeof(x)
     except TypeError:
@@ -291,9 +292,10 @@ class _BwdArgs(NamedTuple):
     @classmethod
     def of(cls, args: Sequence[Any], call: _Call) -> _BwdArgs:
         flat, tree = jax.tree_util.tree_flatten(tuple(args))
-        first = len(jax.tree_util.tree_leaves(tuple(args[: len(call.static)])))
+        per_arg = [child.num_leaves for child in tree.children()]  # one flatten, not three
+        first = sum(per_arg[: len(call.static)])
         dynamic = [i for i, x in enumerate(flat) if i >= first and _is_traceable(x)]
-        num_leaves_before_cts = len(jax.tree_util.tree_leaves(tuple(args[:-1])))
+        num_leaves_before_cts = sum(per_arg[:-1])
         num_res = len([i for i in dynamic if i < num_leaves_before_cts])
         return cls(tuple(args), flat, tree, dynamic, num_res)
 
@@ -357,13 +359,15 @@ def _fixed_cts(out: Any, taint_tree: Any, call: _Call, field: Field) -> Any:
     manual = vma.manual_axes()
     fixed = []
     for index, (ct, taint, types) in enumerate(zip(cts, ct_taints, call.primal_types)):
-        fixed.append(
-            jax.tree_util.tree_map(
+        if ct is None:
+            fixed.append(None)
+        elif isinstance(types, core.AbstractValue) and not isinstance(ct, (tuple, list, dict)):
+            fixed.append(_fix_leaf(ct, taint, types, index, call, field, manual))  # an array argument
+        else:
+            fixed.append(jax.tree_util.tree_map(
                 lambda c, t, ty, i=index: _fix_leaf(c, t, ty, i, call, field, manual),
                 ct, taint, types, is_leaf=lambda x: x is None,
-            )
-            if ct is not None else None
-        )
+            ))
     fixed_cts = tuple(fixed)
     return (fixed_cts, logs) if call.with_logs else fixed_cts
 
@@ -581,14 +585,23 @@ def _trace_key(tree: Any, flat: Sequence[Any], dynamic: Sequence[int], dyn_args:
     try:
         key = (
             tree, tuple(x for i, x in enumerate(flat) if i not in dyn), tuple(jax.typeof(x) for x in dyn_args),
-            num_res, vma.manual_axes(), generation(),
-            (_mode_state.verifying(), _mode_state.strict_on(), _mode_state.inferring()),
-            config.trace_context(),
+            num_res, vma.manual_axes(), generation(), _mode_state.modes(), config.trace_context(),
         )
-        hash(key)
+        return _HashedKey(key)
     except TypeError:  # an unhashable static argument: trace every time
         return None
-    return key
+
+
+class _HashedKey(tuple):  # type: ignore[type-arg]
+    """A key hashed once (a get and a put would each hash its types again)."""
+
+    __slots__ = ()
+
+    def __new__(cls, key: tuple[Any, ...]) -> _HashedKey:
+        return super().__new__(cls, (hash(key), key))
+
+    def __hash__(self) -> int:
+        return self[0]  # type: ignore[no-any-return]
 
 
 def _is_traceable(x: Any) -> bool:
@@ -699,7 +712,7 @@ def _params_axes(params: dict[str, Any]) -> frozenset[str]:
         if type(value) in _PLAIN:  # most params: checked first, as this runs per bwd equation
             continue
         for sub in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(sub, _PLAIN):
+            if isinstance(sub, _PLAIN) or isinstance(sub, core.AbstractValue):  # e.g. out_avals
                 continue
             sub = getattr(sub, "jaxpr", sub)
             if hasattr(sub, "eqns"):
