@@ -292,7 +292,8 @@ class _BwdArgs(NamedTuple):
     @classmethod
     def of(cls, args: Sequence[Any], call: _Call) -> _BwdArgs:
         flat, tree = jax.tree_util.tree_flatten(tuple(args))
-        per_arg = [child.num_leaves for child in tree.children()]  # one flatten, not three
+        children: list[Any] = jax.tree_util.treedef_children(tree)
+        per_arg = [child.num_leaves for child in children]  # one flatten, not three
         first = sum(per_arg[: len(call.static)])
         dynamic = [i for i, x in enumerate(flat) if i >= first and _is_traceable(x)]
         num_leaves_before_cts = sum(per_arg[:-1])
@@ -357,7 +358,7 @@ def _fixed_cts(out: Any, taint_tree: Any, call: _Call, field: Field) -> Any:
     if call.primal_types is None or not isinstance(cts, (tuple, list)) or len(cts) != len(call.primal_types):
         return out
     manual = vma.manual_axes()
-    fixed = []
+    fixed: list[Any] = []
     for index, (ct, taint, types) in enumerate(zip(cts, ct_taints, call.primal_types)):
         if ct is None:
             fixed.append(None)
