@@ -134,7 +134,7 @@ def test_benchmark_smoke(tmp_path):
     formulas = next(t for t in results["targets"] if t["target"].startswith("reprules._scale formulas"))
     assert formulas["met"] is True and set(formulas["value"]) == {"transformer"}, formulas
     tf = work["transformer"]
-    assert tf["lower_config"] == {"rounds": 1, "best_of": 1, "stack_offsets": 16, "stack_step_bytes": 1024}
+    assert tf["lower_config"] == {"rounds": 1, "best_of": 1, "warm_first": True, "stack_offsets": 64, "stack_step_bytes": 256}
     assert max(tf["max_error"].values()) < 1e-5, tf["max_error"]
     assert tf["memory"]["reprules"] is None or tf["memory"]["reprules"]["argument"] > 0
     if "inference" in tf["variants"]:

@@ -46,8 +46,8 @@ minimum of the needed bytes), the compiled memory analysis (temp, argument
 and output bytes), the step time (rounds in which every variant
 runs once, in a rotating order; reported as the median and interquartile
 range of the per-round ratios between variants), and the trace+lower time
-(``jax.jit(step).lower`` of a freshly built step, best of 3 per round, wall
-and CPU time of this process;
+(``jax.jit(step).lower`` of a freshly built step, best of 3 per round after
+one untimed, wall and CPU time of this process;
 reprules with its rules registered, the other variants with nothing
 registered, i.e. JAX unpatched; each round at its own Python stack depth, see
 ``STACK_OFFSETS``). It also measures ``import reprules`` on top
@@ -362,10 +362,13 @@ def transformer_workload(small: bool, scan: bool = False, structure: str = "subl
 # time (a page fault each). Measured here, tp_mlp's trace+lower with checking off
 # costs 1.0x to 1.5x depending only on how deep the program calls jax.jit, and
 # reprules' few extra frames move where the boundaries fall. So the rounds cycle
-# through 16 stack depths 1 KiB apart (every variant of a round at the same one):
-# the ratios are then those of a program calling jax.jit at an arbitrary depth.
-STACK_OFFSETS = 16
-STACK_STEP_BYTES = 1024
+# through 64 stack depths 256 bytes apart, one chunk in all (every variant of a round
+# at the same one): the ratios are then those of a program calling jax.jit at an
+# arbitrary depth. The faults change within 1 KiB of depth: with 16 depths 1 KiB
+# apart, one lowering averaged 532 faults with checking off and 551 with reprules;
+# with these 64, 605.0 and 604.8.
+STACK_OFFSETS = 64
+STACK_STEP_BYTES = 256
 
 
 def _stack_padder(nbytes: int) -> Callable[[Callable[[], Any]], Any]:
@@ -561,17 +564,23 @@ def measure(w: Workload, mesh: Any, repeats: int, warmup: int, lower_repeats: in
 
     # Trace+lower: a freshly built step each time (no jit cache hit), best of `lower_inner`
     # per round and variant; one warm-up round. Wall time and this process's CPU time
-    # (less disturbed by other processes on a shared machine).
+    # (less disturbed by other processes on a shared machine). Registering or removing
+    # reprules' rules empties JAX's caches (kernel traces included), so each variant's
+    # turn starts with one untimed trace+lower: every timed one then runs warm, whichever
+    # variant ran before it (else reprules' rounds, which always follow a registration,
+    # would be a best of 2 warm ones where checking off often gets a best of 3).
     if w.heavy:
         lower_repeats, lower_inner = min(lower_repeats, heavy_lower_repeats), 1
-    result["lower_config"] = {"rounds": lower_repeats, "best_of": lower_inner, "stack_offsets": STACK_OFFSETS,
-                              "stack_step_bytes": STACK_STEP_BYTES}
+    result["lower_config"] = {"rounds": lower_repeats, "best_of": lower_inner, "warm_first": True,
+                              "stack_offsets": STACK_OFFSETS, "stack_step_bytes": STACK_STEP_BYTES}
     lower: dict[str, list[float]] = {v: [] for v in variants}
     lower_cpu: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(lower_repeats + 1):
         pad = _PADDERS[r % STACK_OFFSETS]
         for v in rotations(variants, r):
             with variant_scope(w, v):
+                warm = w.build(mesh, v)
+                pad(lambda: jax.jit(warm).lower(*args))  # noqa: B023: called at once
                 best = best_cpu = float("inf")
                 for _ in range(lower_inner):
                     step = w.build(mesh, v)
@@ -682,7 +691,8 @@ def print_report(results: dict[str, Any]) -> None:
     print(f"{os.cpu_count()} CPU cores; 1-minute load average before, after: {load} (other processes skew timings)")
     print(f"step time: {cfg['repeats']} paired rounds after {cfg['warmup']} warm-up runs, variants interleaved; "
           f"trace+lower: {cfg['lower_repeats']} rounds, best of {cfg['lower_inner']} "
-          f"(transformers: {cfg['heavy_lower_repeats']} rounds, best of 1)")
+          f"(transformers: {cfg['heavy_lower_repeats']} rounds, best of 1), each after an untimed one, "
+          f"over {STACK_OFFSETS} stack depths")
     print("ratios: median [p25, p75] of the per-round ratios")
     print("\ncollectives per step (per-device bytes, any level; a scan body's collectives counted once per layer)")
     print(f"  {'workload':18}{'variant':10}{'count':>6}{'bytes':>10}{'defensive B':>13}{'needed B':>10}"
