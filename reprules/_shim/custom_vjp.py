@@ -362,8 +362,8 @@ def _fixed_cts(out: Any, taint_tree: Any, call: _Call, field: Field) -> Any:
     for index, (ct, taint, types) in enumerate(zip(cts, ct_taints, call.primal_types)):
         if ct is None:
             fixed.append(None)
-        elif isinstance(types, core.AbstractValue) and not isinstance(ct, (tuple, list, dict)):
-            fixed.append(_fix_leaf(ct, taint, types, index, call, field, manual))  # an array argument
+        elif isinstance(types, core.AbstractValue) and isinstance(ct, (jax.Array, core.Tracer)):
+            fixed.append(_fix_leaf(ct, taint, types, index, call, field, manual))  # an array: a leaf
         else:
             fixed.append(jax.tree_util.tree_map(
                 lambda c, t, ty, i=index: _fix_leaf(c, t, ty, i, call, field, manual),
