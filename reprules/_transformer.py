@@ -174,10 +174,20 @@ def hand_unavailable() -> str | None:
     """Why this JAX cannot annotate an out_shape by hand, or None."""
     import jax
 
-    params = inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
-    if "manual_axis_type" in params or "vma" in params:
+    if sds_keyword() is not None:
         return None
     return f"JAX {jax.__version__} has no vma=/manual_axis_type= on jax.ShapeDtypeStruct (added in JAX 0.6)"
+
+
+@functools.cache
+def sds_keyword() -> str | None:
+    """How ShapeDtypeStruct takes varying axes here: ``manual_axis_type`` (0.10+),
+    ``vma`` (0.6 - 0.9) or None (<= 0.5). Read once: the hand variant's trace time
+    is compared with reprules'."""
+    import jax
+
+    params = inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
+    return next((k for k in ("manual_axis_type", "vma") if k in params), None)
 
 
 def _varying(x: Any) -> frozenset[str]:
@@ -205,19 +215,9 @@ def _sds(shape: tuple[int, ...], dtype: Any, axes: frozenset[str] | None) -> Any
 
     if axes is None:
         return jax.ShapeDtypeStruct(shape, dtype)
-    if _sds_keyword() == "manual_axis_type":  # 0.10+
+    if sds_keyword() == "manual_axis_type":  # 0.10+
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
     return jax.ShapeDtypeStruct(shape, dtype, **{"vma": axes})  # 0.6 - 0.9
-
-
-@functools.cache
-def _sds_keyword() -> str:
-    """How ShapeDtypeStruct takes varying axes here (read once: the hand variant's
-    trace time is compared with reprules')."""
-    import jax
-
-    params = inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
-    return "manual_axis_type" if "manual_axis_type" in params else "vma"
 
 
 def _psum_extra(ct: Any, primal_axes: frozenset[str]) -> Any:

@@ -72,7 +72,6 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -102,15 +101,8 @@ TRANSFORMERS = ("transformer", "transformer_scan", "transformer_1sm", "transform
 
 # --- JAX version branches (public API only) -----------------------------------------------
 
-_SDS_PARAMS = inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
-if "manual_axis_type" in _SDS_PARAMS:  # 0.10+: ShapeDtypeStruct(manual_axis_type=ManualAxisType(...))
-    HAND = "manual_axis_type"
-elif "vma" in _SDS_PARAMS:  # 0.6 - 0.9: ShapeDtypeStruct(vma=frozenset)
-    HAND = "vma"
-else:  # <= 0.5: no way to type a kernel's output as varying
-    HAND = None
-HAND_UNAVAILABLE = None if HAND else (
-    f"JAX {jax.__version__} has no vma=/manual_axis_type= on jax.ShapeDtypeStruct (added in JAX 0.6)")
+HAND = _model_helpers.sds_keyword()  # ShapeDtypeStruct's manual_axis_type= (0.10+), vma= (0.6 - 0.9) or None
+HAND_UNAVAILABLE = _model_helpers.hand_unavailable()
 
 
 # The hand-annotated variants' helpers (JAX >= 0.6), shared with the transformer workload.
@@ -575,8 +567,11 @@ def measure(w: Workload, mesh: Any, repeats: int, warmup: int, lower_repeats: in
                               "stack_offsets": STACK_OFFSETS, "stack_step_bytes": STACK_STEP_BYTES}
     lower: dict[str, list[float]] = {v: [] for v in variants}
     lower_cpu: dict[str, list[float]] = {v: [] for v in variants}
+    depths: list[int] = []  # the stack offset of each timed round
     for r in range(lower_repeats + 1):
         pad = _PADDERS[r % STACK_OFFSETS]
+        if r:
+            depths.append(r % STACK_OFFSETS)
         for v in rotations(variants, r):
             with variant_scope(w, v):
                 warm = w.build(mesh, v)
@@ -593,14 +588,13 @@ def measure(w: Workload, mesh: Any, repeats: int, warmup: int, lower_repeats: in
                 lower[v].append(best)
                 lower_cpu[v].append(best_cpu)
         gc.collect()
-    result["lower_rounds_s"] = lower  # per timed round: the i-th ran at stack offset (i + 1) % STACK_OFFSETS
+    result["lower_rounds_s"] = lower  # per timed round, for re-analysis (its stack offset: `depths`)
     result["lower_s"] = {v: stats(t) for v, t in lower.items()}
     result["lower_cpu_s"] = {v: stats(t) for v, t in lower_cpu.items()}
     result["lower_ratio"] = {f"{a}/{b}": paired_ratio(lower[a], lower[b]) for a, b in RATIOS
                              if a in variants and b in variants}
     result["lower_cpu_ratio"] = {f"{a}/{b}": paired_ratio(lower_cpu[a], lower_cpu[b]) for a, b in RATIOS
                                  if a in variants and b in variants}
-    depths = [(i + 1) % STACK_OFFSETS for i in range(lower_repeats)]
     result["lower_ratio_by_depth"] = {f"{a}/{b}": ratio_by_depth(lower[a], lower[b], depths) for a, b in RATIOS
                                       if a in variants and b in variants}
     return result

@@ -713,7 +713,7 @@ def _params_axes(params: dict[str, Any]) -> frozenset[str]:
         if type(value) in _PLAIN:  # most params: checked first, as this runs per bwd equation
             continue
         for sub in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(sub, _PLAIN) or isinstance(sub, core.AbstractValue):  # e.g. out_avals
+            if isinstance(sub, _NO_JAXPR):
                 continue
             sub = getattr(sub, "jaxpr", sub)
             if hasattr(sub, "eqns"):
@@ -722,6 +722,7 @@ def _params_axes(params: dict[str, Any]) -> frozenset[str]:
 
 
 _PLAIN = (str, int, float, bool, type(None))  # param values that hold no jaxpr
+_NO_JAXPR = (*_PLAIN, core.AbstractValue)  # ... nor do types (e.g. a pallas_call's out_avals)
 _NO_AXES: frozenset[str] = frozenset()
 
 
