@@ -185,3 +185,61 @@ def test_the_interpret_lowering_retypes_a_copy_of_the_context_as_replace_would()
         assert new == ctx.replace(avals_in=["A"], avals_out=["B"])
         assert ctx.avals_in == ["a"] and ctx.avals_out == ["b"]
     assert vma._rebuilders[Ctx] is not None and vma._rebuilders[KeywordCtx] is None
+
+
+# --- what a replaced JAX object offered, its replacement offers too ---------------
+class _Cache:
+    """A memoising callable like JAX's ``weakref_lru_cache`` (a C++ object)."""
+
+    def __init__(self, fn):
+        self.fn, self.entries = fn, {}
+
+    def __call__(self, x):
+        return self.entries.setdefault(x, self.fn(x))
+
+    def cache_clear(self):
+        self.entries.clear()
+
+    def cache_info(self):
+        return len(self.entries)
+
+
+def test_a_patch_keeps_the_public_attributes_of_what_it_replaced():
+    module = types.ModuleType("fake_jax_module")
+    module.traced = original = _Cache(lambda x: ("traced", x))
+    patches = _common.Patches()
+    patches.setattr(module, "traced", _wrap(original, [], "ours"))
+    assert module.traced is not original
+    assert module.traced(1) == ("traced", 1) and module.traced.cache_info() == 1
+    module.traced.cache_clear()  # clears the original's cache, which the hook calls through
+    assert original.entries == {} and module.traced.cache_info() == 0
+    patches.undo_all()
+    assert module.traced is original
+
+
+def _kernel_tracer():
+    """(module, name) of the function through which JAX traces each Pallas kernel."""
+    from jax._src.pallas import pallas_call as module
+
+    return module, "_trace_kernel_to_jaxpr" if hasattr(module, "_trace_kernel_to_jaxpr") else "_trace_to_jaxpr"
+
+
+def test_jaxs_kernel_tracing_cache_stays_reachable_while_patched():
+    """JAX 0.4.28 - 0.6 memoise kernel tracing in a ``weakref_lru_cache``; JAX's own
+    Pallas tests import it and call ``cache_clear()`` in every ``setUp``. With a
+    rule registered (the hook in place), they must still reach JAX's cache."""
+    module, name = _kernel_tracer()
+    original = getattr(module, name)
+    public = {attr for attr in dir(original) if not attr.startswith("_")}
+    reprules.replication_rule()(copy_kernel)
+    patched = getattr(module, name)
+    assert patched is not original
+    assert {attr for attr in public if not hasattr(patched, attr)} == set()
+    if "cache_clear" in public:  # 0.4.28 - 0.6
+        x = randn(0, (8, 128))
+        jax.jit(_copy)(x)
+        assert original.cache_info().currsize > 0
+        patched.cache_clear()
+        assert original.cache_info().currsize == 0 and patched.cache_info().currsize == 0
+    reprules.unregister(copy_kernel)
+    assert getattr(module, name) is original

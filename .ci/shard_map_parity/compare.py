@@ -1,6 +1,7 @@
 """Compares the plain and with-reprules runs of JAX's shard_map_test.py, test by test.
 
 Usage: python compare.py V [V ...]   (reads results/V-plain.xml, results/V-reprules.xml)
+       python compare.py TAG:V ...    (a tagged run: results/TAG-V-plain.xml, ...)
 Prints one line per version and every test id whose outcome differs (with both tracebacks).
 Exit status 1 if any version differs or is missing.
 """
@@ -52,10 +53,12 @@ def fmt(c):
 def main(versions):
     bad = False
     rows = []
-    for v in versions:
-        a, b = f"{H}/results/{v}-plain.xml", f"{H}/results/{v}-reprules.xml"
+    for arg in versions:
+        tag, _, v = arg.rpartition(":")
+        name = f"{tag}-{v}" if tag else v
+        a, b = f"{H}/results/{name}-plain.xml", f"{H}/results/{name}-reprules.xml"
         if not (os.path.exists(a) and os.path.exists(b)):
-            print(f"{v}: MISSING {'plain' if not os.path.exists(a) else ''} {'reprules' if not os.path.exists(b) else ''}")
+            print(f"{name}: MISSING {'plain' if not os.path.exists(a) else ''} {'reprules' if not os.path.exists(b) else ''}")
             bad = True
             continue
         pa, pb = outcomes(a), outcomes(b)
@@ -66,12 +69,12 @@ def main(versions):
         msg = lambda d: d.split("\n", 1)[0][:300]
         msg_diffs = [t for t in both_failed if msg(pa[t][1]) != msg(pb[t][1])]
         marker = {}
-        mpath = f"{H}/results/{v}-reprules.marker.json"
+        mpath = f"{H}/results/{name}-reprules.marker.json"
         if os.path.exists(mpath):
             marker = json.load(open(mpath))
         source = open(f"{H}/src/{v}/SOURCE").read().split()
         row = {
-            "version": v, "source": source[0], "commit": source[1],
+            "version": v, "tests": tag or "shard_map", "source": source[0], "commit": source[1],
             "collected_plain": len(pa), "collected_reprules": len(pb),
             "plain": fmt(summary(pa)), "reprules": fmt(summary(pb)),
             "identical": not diffs and set(pa) == set(pb),

@@ -1,12 +1,14 @@
 #!/bin/bash
-# Usage: run.sh V [plain|reprules|both]
-# Runs JAX's tests/shard_map_test.py (extracted to /tmp/jaxtests/src/V from the JAX git mirror)
+# Usage: run.sh V [plain|reprules|both] [TAG TESTFILE...]
+# Runs JAX's tests/shard_map_test.py, or the TESTFILEs with results named TAG-V-MODE
+# (extracted to /tmp/jaxtests/src/V from the JAX git mirror)
 # with /tmp/venvs/jax-V, (a) plain: reprules not imported, its pytest11 plugin disabled;
 # (b) reprules: plugin harness/reprules_active.py (import reprules, load all packs, register
 # a rule for an unrelated Pallas kernel -> JAX patches installed) plus reprules' pytest plugin.
 # reprules is imported from the snapshot /tmp/jaxtests/snapshot (a copy of /work/main/reprules).
 set -u
-V=$1; MODE=${2:-both}
+V=$1; MODE=${2:-both}; TAG=${3:-}
+if [ -n "$TAG" ]; then shift 3; TESTS=("$@"); NAME=$TAG-$V; else TESTS=(tests/shard_map_test.py); NAME=$V; fi
 H=/tmp/jaxtests
 PY=/tmp/venvs/jax-$V/bin/python
 mkdir -p $H/results
@@ -16,16 +18,16 @@ cd $H/src/$V
 run() {
   local mode=$1; shift
   local start=$(date +%s)
-  REPRULES_MARKER=$H/results/$V-$mode.marker.json nice -n 10 timeout 5400 $PY -m pytest tests/shard_map_test.py \
-    -p no:cacheprovider -q -rA --junitxml=$H/results/$V-$mode.xml "$@" > $H/results/$V-$mode.log 2>&1
+  REPRULES_MARKER=$H/results/$NAME-$mode.marker.json nice -n 10 timeout 5400 $PY -m pytest "${TESTS[@]}" \
+    -p no:cacheprovider -q -rA --junitxml=$H/results/$NAME-$mode.xml "$@" > $H/results/$NAME-$mode.log 2>&1
   local rc=$?
-  echo "$V $mode rc=$rc seconds=$(( $(date +%s) - start ))" | tee -a $H/results/timings.txt
+  echo "$NAME $mode rc=$rc seconds=$(( $(date +%s) - start ))" | tee -a $H/results/timings.txt
 }
 if [ "$MODE" = plain ] || [ "$MODE" = both ]; then
-  rm -f $H/results/$V-plain.marker.json
+  rm -f $H/results/$NAME-plain.marker.json
   run plain -p no:reprules
 fi
 if [ "$MODE" = reprules ] || [ "$MODE" = both ]; then
-  rm -f $H/results/$V-reprules.marker.json
+  rm -f $H/results/$NAME-reprules.marker.json
   run reprules -p reprules_active
 fi

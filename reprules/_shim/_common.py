@@ -85,6 +85,8 @@ class Patches:
         has_dict = hasattr(obj, "__dict__")
         old = obj.__dict__.get(name, self._MISSING) if has_dict else getattr(obj, name)
         installed = self.guard(value, lambda: _replaced_attr(obj, name, old, self._MISSING))
+        if old is not self._MISSING and installed is not value:
+            _forward_public_attributes(old, installed)
 
         def undo() -> str | None:
             now = obj.__dict__.get(name, self._MISSING) if has_dict else getattr(obj, name, self._MISSING)
@@ -131,6 +133,22 @@ class Patches:
             from reprules._errors import PatchWarning, patch_left_message
 
             warnings.warn(PatchWarning(patch_left_message(left, JAX_VERSION)), stacklevel=3)
+
+
+def _forward_public_attributes(original: Any, hook: Callable[..., Any]) -> None:
+    """Gives reprules' ``hook`` every public attribute of the JAX object it
+    replaces that it lacks, bound to that object. JAX 0.4.28 - 0.6 trace Pallas
+    kernels through a ``weakref_lru_cache``, and code that reaches it (JAX's own
+    tests do) calls its ``cache_clear()`` and ``cache_info()``: with the hook in
+    place they must still reach JAX's cache, which the hook calls through."""
+    for attr in dir(original):
+        if attr.startswith("_") or hasattr(hook, attr):
+            continue
+        try:
+            value = getattr(original, attr)
+        except Exception:  # noqa: BLE001 - a property that cannot be read now: nothing to forward
+            continue
+        setattr(hook, attr, value)
 
 
 def _replaced_attr(obj: Any, name: str, old: Any, missing: object) -> Any:
