@@ -1,4 +1,5 @@
-"""Compares the plain and with-reprules runs of JAX's shard_map_test.py, test by test.
+"""Compares the plain and with-reprules runs of JAX's shard_map_test.py (or of the test
+files of a tagged run), test by test.
 
 Usage: python compare.py V [V ...]   (reads results/V-plain.xml, results/V-reprules.xml)
        python compare.py TAG:V ...    (a tagged run: results/TAG-V-plain.xml, ...)

@@ -569,9 +569,10 @@ def measure(w: Workload, mesh: Any, repeats: int, warmup: int, lower_repeats: in
     lower_cpu: dict[str, list[float]] = {v: [] for v in variants}
     depths: list[int] = []  # the stack offset of each timed round
     for r in range(lower_repeats + 1):
-        pad = _PADDERS[r % STACK_OFFSETS]
+        offset = r % STACK_OFFSETS
+        pad = _PADDERS[offset]
         if r:
-            depths.append(r % STACK_OFFSETS)
+            depths.append(offset)
         for v in rotations(variants, r):
             with variant_scope(w, v):
                 warm = w.build(mesh, v)
