@@ -44,6 +44,7 @@ from reprules.rules import Decision, RuleContext, VaryingSet
 
 Taint = frozenset[int]
 _EMPTY: Taint = frozenset()
+_DEVICE = -1  # a taint token: "differs per device" (the hidden PRNG state at kernel entry)
 
 
 # -- results -------------------------------------------------------------------
@@ -105,11 +106,38 @@ def rule_operands_start(reg: Any, first_user: int) -> int:
     return 0 if isinstance(reg.rule, InferredRule) else first_user
 
 
-# -- which primitives are local ------------------------------------------------
+# -- the effect model ------------------------------------------------------------
+#
+# Every primitive inference accepts has exactly one class below; a primitive with
+# no class is refused, and so is an equation carrying a JAX effect the model does
+# not know (_KNOWN_EFFECTS). The docs' inference page has this table in prose.
+#
+# | class   | outputs depend on                       | writes                                     |
+# |---------|-----------------------------------------|--------------------------------------------|
+# | PURE    | its operands                            | nothing                                    |
+# | REFS    | its operands and its refs' contents     | each ref JAX marks written (a Write or     |
+# |         |                                         | Accum effect), or every ref if JAX marks   |
+# |         |                                         | none: with the operands and refs read      |
+# | FRESH   | (a new ref) its operands                | the new ref                                |
+# | OBSERVE | (no outputs: printing, tracing, checks) | nothing                                    |
+# | SEED    | (no outputs)                            | the hidden PRNG state, from its operands   |
+# | DRAW    | the hidden PRNG state                   | the PRNG state (it advances)               |
+# | KEYED   | a PRNG key's data; for a `pallas_tpu`   | for `pallas_tpu` keys: SEED then DRAW      |
+# |         | key the hardware PRNG it seeds          | (JAX lowers them to prng_seed + bits)      |
+#
+# The hidden PRNG state is one implicit ref threaded through the body in program
+# order (a seed replaces it, a branch joins it, a loop and the grid carry it). At
+# kernel entry it holds a token that means "differs per device" (each TPU core's
+# generator holds what it held), so a draw that no seed dominates is refused.
+# Scalar-prefetch refs are ordinary refs; what the body writes into them reaches
+# every block whose index map reads them (see summarize's ``block_reads``).
+
+PURE, REFS, FRESH, OBSERVE, SEED, DRAW, KEYED = "pure", "refs", "fresh", "observe", "seed", "draw", "keyed"
+SEED_DRAW = "seed+draw"  # what KEYED means for random_bits of a pallas_tpu key
 
 # Whole modules of JAX's own array primitives: pure functions of their operands,
 # no device identity, no communication (collectives live in lax.parallel).
-_LOCAL_MODULES = (
+_PURE_MODULES = (
     "jax._src.lax.lax",
     "jax._src.lax.slicing",
     "jax._src.lax.special",
@@ -118,82 +146,84 @@ _LOCAL_MODULES = (
     "jax._src.lax.fft",
     "jax._src.lax.linalg",
     "jax._src.lax.ann",
-    "jax._src.prng",  # <= 0.9; from 0.10 the next three
-    "jax._src.random.prng",
-    "jax._src.random.threefry2x32",
-    "jax._src.random.core",  # random_gamma, random_clone
     "jax._src.ad_util",
 )
 # ... minus those that read per-device state or whose meaning reprules has not checked.
-_NOT_LOCAL_IN_MODULES = frozenset({"infeed", "outfeed", "rng_uniform", "stage"})
+_NOT_PURE_IN_MODULES = frozenset({"infeed", "outfeed", "rng_uniform", "stage"})
+# PRNG key primitives (<= 0.9 in jax._src.prng, from 0.10 the next three): KEYED.
+_KEYED_MODULES = ("jax._src.prng", "jax._src.random.prng", "jax._src.random.threefry2x32",
+                  "jax._src.random.core")
+# Key implementations whose primitives are pure functions of the key's data ...
+_PURE_KEY_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
+# ... and the Pallas TPU ones: random_bits seeds the core's generator with the key
+# and draws (pallas_tpu), or only draws (the stateful samplers' internal impl).
+_SEEDING_KEY_IMPLS = frozenset({"pallas_tpu"})
+_DRAWING_KEY_IMPLS = frozenset({"_pallas_internal_stateful"})
 
-# Named primitives elsewhere, as (module, attribute): local leaf operations.
-_LOCAL_NAMED = (
-    ("jax._src.lax.control_flow.loops", "cumsum_p"),
-    ("jax._src.lax.control_flow.loops", "cumprod_p"),
-    ("jax._src.lax.control_flow.loops", "cummax_p"),
-    ("jax._src.lax.control_flow.loops", "cummin_p"),
-    ("jax._src.lax.control_flow.loops", "cumlogsumexp_p"),
-    ("jax._src.lax.control_flow.conditionals", "platform_index_p"),
-    ("jax._src.random", "random_gamma_p"),
-    ("jax._src.random", "random_clone_p"),
-    ("jax._src.custom_derivatives", "stop_gradient_p"),
-    ("jax._src.ad_checkpoint", "name_p"),
-    ("jax._src.ad_checkpoint", "optimization_barrier_p"),
-    ("jax._src.debugging", "debug_callback_p"),  # no outputs: values cannot flow out
-    ("jax._src.debugging", "debug_print_p"),
-    ("jax._src.core", "mutable_array_p"),
-    ("jax._src.core", "new_ref_p"),
-    ("jax._src.core", "empty_ref_p"),
-    ("jax._src.core", "freeze_p"),
-    ("jax._src.state.primitives", "get_p"),
-    ("jax._src.state.primitives", "swap_p"),
-    ("jax._src.state.primitives", "addupdate_p"),
-    ("jax._src.state.primitives", "broadcast_to_p"),
-    ("jax._src.pallas.primitives", "program_id_p"),
-    ("jax._src.pallas.primitives", "num_programs_p"),
-    ("jax._src.pallas.primitives", "load_p"),
-    ("jax._src.pallas.primitives", "swap_p"),
-    ("jax._src.pallas.primitives", "masked_load_p"),
-    ("jax._src.pallas.primitives", "masked_swap_p"),
+# Named primitives elsewhere, as (module, attribute, class).
+_NAMED = (
+    ("jax._src.lax.control_flow.loops", "cumsum_p", PURE),
+    ("jax._src.lax.control_flow.loops", "cumprod_p", PURE),
+    ("jax._src.lax.control_flow.loops", "cummax_p", PURE),
+    ("jax._src.lax.control_flow.loops", "cummin_p", PURE),
+    ("jax._src.lax.control_flow.loops", "cumlogsumexp_p", PURE),
+    ("jax._src.lax.control_flow.conditionals", "platform_index_p", PURE),
+    ("jax._src.random", "random_gamma_p", KEYED),
+    ("jax._src.random", "random_clone_p", KEYED),
+    ("jax._src.custom_derivatives", "stop_gradient_p", PURE),
+    ("jax._src.ad_checkpoint", "name_p", PURE),
+    ("jax._src.ad_checkpoint", "optimization_barrier_p", PURE),
+    ("jax._src.debugging", "debug_callback_p", OBSERVE),  # no outputs: values cannot flow out
+    ("jax._src.debugging", "debug_print_p", OBSERVE),
+    ("jax._src.checkify", "check_p", OBSERVE),  # pl.debug_check: fails the program, returns nothing
+    ("jax._src.core", "mutable_array_p", FRESH),
+    ("jax._src.core", "new_ref_p", FRESH),
+    ("jax._src.core", "empty_ref_p", FRESH),
+    ("jax._src.core", "freeze_p", REFS),
+    ("jax._src.state.primitives", "get_p", REFS),
+    ("jax._src.state.primitives", "swap_p", REFS),
+    ("jax._src.state.primitives", "addupdate_p", REFS),
+    ("jax._src.state.primitives", "broadcast_to_p", PURE),
+    ("jax._src.pallas.primitives", "program_id_p", PURE),
+    ("jax._src.pallas.primitives", "num_programs_p", PURE),
+    ("jax._src.pallas.primitives", "load_p", REFS),
+    ("jax._src.pallas.primitives", "swap_p", REFS),
+    ("jax._src.pallas.primitives", "masked_load_p", REFS),
+    ("jax._src.pallas.primitives", "masked_swap_p", REFS),
     # SparseCore (0.9+): vector ops within one subcore's registers ("all_reduce" here is
     # across a vector's lanes), and its own memory reads and writes.
-    *(("jax._src.pallas.mosaic.sc_primitives", name) for name in (
+    *(("jax._src.pallas.mosaic.sc_primitives", name, PURE) for name in (
         "scan_count_p", "masked_cummax_p", "masked_cummin_p", "masked_cumsum_p", "masked_sort_p",
-        "pack_p", "unpack_p", "all_reduce_population_count_p", "all_reduce_ffs_p",
+        "pack_p", "unpack_p", "all_reduce_population_count_p", "all_reduce_ffs_p")),
+    *(("jax._src.pallas.mosaic.sc_primitives", name, REFS) for name in (
         "load_p", "swap_p", "gather_p", "scatter_p")),
-    ("jax._src.pallas.primitives", "atomic_rmw_p"),  # atomic within this device's memory
-    ("jax._src.pallas.primitives", "atomic_cas_p"),
-    ("jax._src.pallas.primitives", "max_contiguous_p"),
-    ("jax._src.pallas.primitives", "multiple_of_p"),
-    ("jax._src.pallas.primitives", "reciprocal_p"),
-    ("jax._src.pallas.primitives", "debug_print_p"),
-    ("jax._src.pallas.primitives", "delay_p"),
-    ("jax._src.pallas.primitives", "semaphore_read_p"),
-    ("jax._src.pallas.primitives", "semaphore_wait_p"),
-    ("jax._src.pallas.mosaic.primitives", "semaphore_read_p"),  # 0.4.x - 0.5
-    ("jax._src.pallas.mosaic.primitives", "semaphore_wait_p"),
-    ("jax._src.pallas.mosaic.primitives", "bitcast_p"),
-    ("jax._src.pallas.mosaic.primitives", "roll_p"),
-    ("jax._src.pallas.mosaic.primitives", "repeat_p"),
-    ("jax._src.pallas.mosaic.primitives", "delay_p"),
-    ("jax._src.pallas.mosaic.primitives", "prng_seed_p"),  # TPU PRNG: a function of its seed
-    ("jax._src.pallas.mosaic.primitives", "prng_random_bits_p"),
-    ("jax._src.pallas.mosaic.primitives", "stochastic_round_p"),
-    ("jax._src.pallas.mosaic.primitives", "pack_elementwise_p"),
-    ("jax._src.pallas.mosaic.primitives", "unpack_elementwise_p"),
-    ("jax._src.pallas.mosaic.primitives", "with_memory_space_constraint_p"),
-    ("jax._src.pallas.triton.primitives", "atomic_rmw_p"),
-    ("jax._src.pallas.triton.primitives", "atomic_cas_p"),
-    ("jax._src.pallas.triton.primitives", "max_contiguous_p"),
+    ("jax._src.pallas.primitives", "atomic_rmw_p", REFS),  # atomic within this device's memory
+    ("jax._src.pallas.primitives", "atomic_cas_p", REFS),
+    ("jax._src.pallas.primitives", "max_contiguous_p", PURE),
+    ("jax._src.pallas.primitives", "multiple_of_p", PURE),
+    ("jax._src.pallas.primitives", "reciprocal_p", PURE),
+    ("jax._src.pallas.primitives", "debug_print_p", OBSERVE),
+    ("jax._src.pallas.primitives", "delay_p", OBSERVE),
+    ("jax._src.pallas.primitives", "semaphore_read_p", REFS),
+    ("jax._src.pallas.primitives", "semaphore_wait_p", REFS),
+    ("jax._src.pallas.mosaic.primitives", "semaphore_read_p", REFS),  # 0.4.x - 0.5
+    ("jax._src.pallas.mosaic.primitives", "semaphore_wait_p", REFS),
+    ("jax._src.pallas.mosaic.primitives", "bitcast_p", PURE),
+    ("jax._src.pallas.mosaic.primitives", "roll_p", PURE),
+    ("jax._src.pallas.mosaic.primitives", "repeat_p", PURE),
+    ("jax._src.pallas.mosaic.primitives", "delay_p", OBSERVE),
+    ("jax._src.pallas.mosaic.primitives", "trace_value_p", OBSERVE),  # 0.9+: annotates a profile
+    ("jax._src.pallas.mosaic.primitives", "prng_seed_p", SEED),
+    ("jax._src.pallas.mosaic.primitives", "prng_random_bits_p", DRAW),
+    ("jax._src.pallas.mosaic.primitives", "stochastic_round_p", PURE),  # its random bits are an operand
+    ("jax._src.pallas.mosaic.primitives", "pack_elementwise_p", PURE),
+    ("jax._src.pallas.mosaic.primitives", "unpack_elementwise_p", PURE),
+    ("jax._src.pallas.mosaic.primitives", "with_memory_space_constraint_p", PURE),
+    ("jax._src.pallas.triton.primitives", "atomic_rmw_p", REFS),
+    ("jax._src.pallas.triton.primitives", "atomic_cas_p", REFS),
+    ("jax._src.pallas.triton.primitives", "max_contiguous_p", PURE),
 )
-# Reads of a ref: the ref's contents flow out, nothing flows in.
-_READS = (
-    ("jax._src.state.primitives", "get_p"),
-    ("jax._src.pallas.primitives", "load_p"),
-    ("jax._src.pallas.primitives", "masked_load_p"),
-)
-# Local only without a device_id: (module, attribute, where device_id sits in the unflattened operands).
+# REFS only without a device_id: (module, attribute, where device_id sits in the unflattened operands).
 _REMOTE_CAPABLE = (
     ("jax._src.pallas.mosaic.primitives", "dma_start_p", -1),
     ("jax._src.pallas.mosaic.primitives", "dma_wait_p", -1),
@@ -209,6 +239,15 @@ _CALLBACKS = (
     ("jax._src.callback", "pure_callback_p"),
     ("jax._src.callback", "io_callback_p"),
 )
+# JAX effects (by class name) the model covers: on refs (RefEffect, tracked by the
+# dataflow), the PRNG's (SEED/DRAW), and those of OBSERVE primitives and fresh refs.
+# NamedAxisEffect marks equations naming a mesh axis, whose primitives are checked by
+# name (axis_index, collectives). Any other effect refuses.
+_KNOWN_EFFECTS = frozenset({
+    "ReadEffect", "WriteEffect", "AccumEffect", "PRNGEffect", "TraceEffect", "DebugEffect",
+    "OrderedDebugEffect", "DelayEffect", "SemaphoreEffect", "InternalMutableArrayEffect",
+    "NamedAxisEffect", "ErrorEffect",
+})
 
 
 def _resolve(names: Iterable[tuple[Any, ...]]) -> dict[Any, tuple[Any, ...]]:
@@ -227,36 +266,36 @@ def _resolve(names: Iterable[tuple[Any, ...]]) -> dict[Any, tuple[Any, ...]]:
     return found
 
 
-@functools.cache
-def _tables() -> dict[str, dict[Any, tuple[Any, ...]]]:
+def _module_primitives(module_names: Iterable[str]) -> list[Any]:
     import importlib
 
     from jax._src import core
 
-    local: dict[Any, tuple[Any, ...]] = {}
-    for module_name in _LOCAL_MODULES:
+    found = []
+    for module_name in module_names:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        for value in vars(module).values():
-            if isinstance(value, core.Primitive) and value.name not in _NOT_LOCAL_IN_MODULES:
-                local[value] = ()
-    local.update(_resolve(_LOCAL_NAMED))
-    collectives: dict[Any, tuple[Any, ...]] = {}
-    try:
-        from jax._src.lax import parallel
+        found += [v for v in vars(module).values() if isinstance(v, core.Primitive)]
+    return found
 
-        collectives = {v: () for v in vars(parallel).values() if isinstance(v, core.Primitive)}
-    except ImportError:  # pragma: no cover - present on every supported JAX
-        pass
+
+@functools.cache
+def _tables() -> dict[str, dict[Any, Any]]:
+    from jax._src import core
+
+    effect: dict[Any, str] = {p: PURE for p in _module_primitives(_PURE_MODULES)
+                              if p.name not in _NOT_PURE_IN_MODULES}
+    effect.update({p: KEYED for p in _module_primitives(_KEYED_MODULES)})
+    effect.update({p: rest[0] for p, rest in _resolve(_NAMED).items()})
+    collectives = {p: () for p in _module_primitives(("jax._src.lax.parallel",))}
     casts = _resolve((("jax._src.pjit", "reshard_p"),))  # 0.10+: checked per equation
     if isinstance(getattr(core, "pvary_p", None), core.Primitive):  # 0.6 - 0.9
         casts[core.pvary_p] = ()
     identity = _resolve(_IDENTITY)
     return {
-        "local": local,
-        "reads": _resolve(_READS),
+        "effect": effect,
         "remote_capable": _resolve(_REMOTE_CAPABLE),
         "identity": identity,
         "collectives": {p: () for p in collectives if p not in identity and p not in casts},
@@ -269,6 +308,7 @@ def _tables() -> dict[str, dict[Any, tuple[Any, ...]]]:
             ("jax._src.lax.control_flow.loops", "scan_p"),
             ("jax._src.pallas.primitives", "run_scoped_p"),
             ("jax._src.pallas.mosaic.primitives", "run_scoped_p"),  # 0.4.x
+            ("jax._src.state.discharge", "run_state_p"),  # pl.run_state
             ("jax._src.pjit", "pjit_p"),
             ("jax._src.pjit", "jit_p"),
             ("jax._src.core", "closed_call_p"),
@@ -281,6 +321,18 @@ def _tables() -> dict[str, dict[Any, tuple[Any, ...]]]:
             ("jax._src.pallas.mosaic.sc_primitives", "parallel_loop_p"),  # SparseCore, 0.9+
         )),
     }
+
+
+def effect_table() -> dict[str, str]:
+    """The effect class of every primitive inference accepts on this JAX, by
+    primitive name (``"module:name"`` where two modules share a name): for the
+    docs and for a reviewer."""
+    table: dict[str, str] = {}
+    for prim, kind in _tables()["effect"].items():
+        table[prim.name] = kind if table.get(prim.name, kind) == kind else f"{table[prim.name]}|{kind}"
+    for prim in _tables()["remote_capable"]:
+        table[prim.name] = f"{REFS} (without a device_id)"
+    return dict(sorted(table.items()))
 
 
 # -- the analysis --------------------------------------------------------------
@@ -327,6 +379,8 @@ class _Analysis:
         self.ref_taint: dict[int, Taint] = {}
         self.changed = False
         self._by_var: dict[Any, int] = {}
+        # The hidden PRNG state's taint at this point of the body (flow-sensitive).
+        self.prng: Taint = frozenset({_DEVICE})
 
     # refs ------------------------------------------------------------------
     def new_ref(self, var: Any, taint: Taint = _EMPTY) -> int:
@@ -371,6 +425,10 @@ class _Analysis:
     def eqn(self, eqn: Any, ins: list[Any], ctrl: Taint) -> list[Any]:
         t = self.tables
         prim = eqn.primitive
+        for effect in getattr(eqn, "effects", ()) or ():
+            if type(effect).__name__ not in _KNOWN_EFFECTS:
+                raise _refuse(eqn, f"carries the JAX effect {type(effect).__name__}, which reprules' "
+                                   "effect model does not cover (it could hold state per device)")
         if prim in t["higher_order"]:
             return self.higher_order(eqn, ins, ctrl)
         if prim in t["identity"]:
@@ -380,39 +438,73 @@ class _Analysis:
             on = f"on mesh axis {axis!r}" if isinstance(axis, str) else "on a mesh axis"
             raise _refuse(eqn, f"reads the device's identity (its index {on}), so its "
                                "outputs can differ between devices with equal inputs")
-        if prim in t["casts"] and not _is_type_cast(eqn):
-            raise _refuse(eqn, "changes a value's sharding over mesh axes that are not manual, "
-                               "which can move data between devices")
-        if prim in t["collectives"]:
+        if prim in t["casts"]:
+            if not _is_type_cast(eqn):
+                raise _refuse(eqn, "changes a value's sharding over mesh axes that are not manual, "
+                                   "which can move data between devices")
+            kind = PURE
+        elif prim in t["collectives"]:
             raise _refuse(eqn, "communicates with other devices (a collective)")
-        if prim in t["barrier"]:
+        elif prim in t["barrier"]:
             raise _refuse(eqn, "synchronises with other devices (a barrier semaphore)")
-        if prim in t["callbacks"]:
+        elif prim in t["callbacks"]:
             raise _refuse(eqn, "calls back to the host, whose result reprules cannot see")
-        if prim in t["remote_capable"]:
+        elif prim in t["remote_capable"]:
             self.check_no_device_id(eqn, t["remote_capable"][prim][0])
-        elif prim not in t["local"] and prim not in t["casts"]:
+            kind = REFS
+        elif prim in t["effect"]:
+            kind = t["effect"][prim]
+        else:
             raise _refuse(eqn, "is not a primitive reprules knows to be local (it could "
                                "communicate or read the device's identity)")
         for value in _nested_jaxprs(eqn.params):  # e.g. a reduction's computation
             self.check_local(value)
-        if any(_is_ref(v) for v in eqn.outvars):
-            if any(_is_ref(v) for v in eqn.invars):
-                raise _refuse(eqn, "makes a new view of a reference, which inference does not track")
+        is_ref = [isinstance(b, tuple) and b[:1] == ("ref",) for b in ins]
+        if any(_is_ref(v) and not r for v, r in zip(eqn.invars, is_ref)):
+            raise _refuse(eqn, "uses a reference inference cannot trace to its allocation")
+        operands = frozenset().union(*(self.taint_of(b) for b in ins)) | ctrl
+        if kind == KEYED:
+            kind = self.key_kind(eqn)
+        if kind in (SEED, SEED_DRAW):
+            self.prng = operands  # a seed replaces the generator's state
+        if kind in (DRAW, SEED_DRAW):
+            if _DEVICE in self.prng:
+                raise _refuse(eqn, "draws from the TPU's hardware PRNG where no prng_seed in this "
+                                   "kernel precedes it on every path: the generator's state at that "
+                                   "point can differ per device (seed it first, from the kernel's "
+                                   "inputs, in every grid step)")
+            self.prng = self.prng | ctrl  # the draw advances it; whether it ran is ctrl
+            return [self.prng] * len(eqn.outvars)
+        if kind == FRESH:
             # A fresh buffer (new_ref / mutable_array): its contents come from the operands.
-            start = frozenset().union(*(self.taint_of(b) for b in ins)) | ctrl
-            return [("ref", self.new_ref(v, start)) if _is_ref(v) else start for v in eqn.outvars]
-        refs = [b[1] for b in ins if isinstance(b, tuple) and b[:1] == ("ref",)]
-        values = frozenset().union(*(b for b in ins if not (isinstance(b, tuple) and b[:1] == ("ref",))))
-        if prim in t["reads"]:
-            out = values.union(*(self.ref_taint[r] for r in refs)) | ctrl
-            return [out] * len(eqn.outvars)
-        # Anything else that touches refs reads and writes all of them (a store, a
-        # local DMA from one ref into another, an atomic): a sound over-approximation.
-        out = values.union(*(self.ref_taint[r] for r in refs)) | ctrl
-        for r in refs:
-            self.write(r, out)
-        return [out] * len(eqn.outvars)
+            return [("ref", self.new_ref(v, operands)) if _is_ref(v) else operands for v in eqn.outvars]
+        if any(_is_ref(v) for v in eqn.outvars):
+            raise _refuse(eqn, "makes a new view of a reference, which inference does not track")
+        if kind in (PURE, KEYED, OBSERVE, SEED) or not any(is_ref):
+            return [operands] * len(eqn.outvars)
+        # REFS: every ref it touches is read; the refs JAX marks written (Write or
+        # Accum effect; all of them where it marks none) take what was read.
+        written = _written_operands(eqn)
+        for k, binding in enumerate(ins):
+            if is_ref[k] and k in written:
+                self.write(binding[1], operands)
+        return [operands] * len(eqn.outvars)
+
+    def key_kind(self, eqn: Any) -> str:
+        """PURE, or SEED_DRAW / DRAW for the Pallas TPU keys (see the table above)."""
+        impls = {getattr(getattr(getattr(v, "aval", None), "dtype", None), "_impl", None) for v in eqn.invars}
+        names = {getattr(impl, "name", "?") for impl in impls if impl is not None}
+        if eqn.primitive.name != "random_bits" or not names or names <= _PURE_KEY_IMPLS:
+            if names - _PURE_KEY_IMPLS - _SEEDING_KEY_IMPLS - _DRAWING_KEY_IMPLS:
+                raise _refuse(eqn, f"uses a PRNG key implementation ({', '.join(sorted(names))}) "
+                                   "whose state reprules' effect model does not know")
+            return PURE
+        if names <= _SEEDING_KEY_IMPLS:
+            return SEED_DRAW
+        if names <= _DRAWING_KEY_IMPLS:
+            return DRAW
+        raise _refuse(eqn, f"draws with a PRNG key implementation ({', '.join(sorted(names))}) "
+                           "whose state reprules' effect model does not know")
 
     def check_no_device_id(self, eqn: Any, position: int) -> None:
         tree = eqn.params.get("tree", eqn.params.get("args_tree"))
@@ -459,9 +551,14 @@ class _Analysis:
             index = self.taint_of(ins[0])
             inner = ctrl | index  # writes in a branch depend on which branch ran
             outs = [_EMPTY] * len(eqn.outvars)
+            before, states = self.prng, []
             for branch in params["branches"]:
+                self.prng = before
                 got = self.call(branch, ins[1:], inner, eqn)
                 outs = [o | g for o, g in zip(outs, got)]
+                states.append(self.prng)
+            # The PRNG state after it: any branch's, and which branch ran if they differ.
+            self.prng = frozenset().union(*states) | (inner if set(states) != {before} else _EMPTY)
             return [o | inner for o in outs]
         if name == "while":
             nc, nb = params["cond_nconsts"], params["body_nconsts"]
@@ -471,6 +568,7 @@ class _Analysis:
                 (pred,) = self.call(params["cond_jaxpr"], [*cconsts, *carry], ctrl, eqn)
                 inner = ctrl | pred
                 new = self.call(params["body_jaxpr"], [*bconsts, *carry], inner, eqn)
+                self.prng |= inner  # how often the body drew depends on the condition
                 return [c if isinstance(c, tuple) else c | n | inner for c, n in zip(carry, new)]
 
             return self.fixpoint(list(ins[nc + nb:]), while_step)
@@ -504,6 +602,14 @@ class _Analysis:
                 return [c if isinstance(c, tuple) else c | n | inner for c, n in zip(carry, new)]
 
             return self.fixpoint(list(carry), loop_step)
+        if name == "run_state":  # pl.run_state: values in, refs inside, final values out
+            jaxpr = params["jaxpr"]
+            if (not all(params.get("is_initialized", (True,))) or len(jaxpr.invars) != len(ins)
+                    or len(eqn.outvars) != len(ins) or any(isinstance(b, tuple) for b in ins)):
+                raise _refuse(eqn, "has operands reprules cannot match to its body's references")
+            rids = [self.new_ref(v, self.taint_of(b) | ctrl) for v, b in zip(jaxpr.invars, ins)]
+            self.run(jaxpr, {v: ("ref", rid) for v, rid in zip(jaxpr.invars, rids)}, ctrl)
+            return [self.ref_taint[rid] | ctrl for rid in rids]
         if name == "run_scoped":
             if params.get("collective_axes"):
                 raise _refuse(eqn, "allocates memory shared across cores or devices "
@@ -527,11 +633,12 @@ class _Analysis:
     def fixpoint(self, carry: list[Any], step: Callable[[list[Any]], list[Any]]) -> list[Any]:
         """Runs a loop body (``step``: carry in, carry out) until neither its carry
         nor any ref's taint grows: the loop may run any number of times."""
-        while True:
-            before, outer_changed = tuple(carry), self.changed
+        while True:  # the PRNG state is carried too: each pass starts from the join so far
+            before, prng_before, outer_changed = tuple(carry), self.prng, self.changed
             self.changed = False
             carry = step(carry)
-            grew = self.changed or tuple(carry) != before
+            self.prng = prng_before | self.prng
+            grew = self.changed or tuple(carry) != before or self.prng != prng_before
             self.changed = self.changed or outer_changed
             if not grew:
                 return carry
@@ -567,6 +674,21 @@ def _is_type_cast(eqn: Any) -> bool:
     return (all(getattr(kind, "name", "") == "Manual" for kind in types)
             and all(part is None for part in spec)
             and not getattr(spec, "unreduced", None) and not getattr(spec, "reduced", None))
+
+
+def _written_operands(eqn: Any) -> frozenset[int]:
+    """The operand positions a REFS equation may write: those JAX marks with a
+    Write or Accum effect, and every ref operand it marks with no effect at all
+    (no mark is no proof of a read-only use)."""
+    marked: dict[int, set[str]] = {}
+    for effect in getattr(eqn, "effects", ()) or ():
+        index = getattr(effect, "input_index", None)
+        if isinstance(index, int):
+            marked.setdefault(index, set()).add(type(effect).__name__)
+    return frozenset(
+        k for k, var in enumerate(eqn.invars)
+        if _is_ref(var) and (k not in marked or marked[k] & {"WriteEffect", "AccumEffect"})
+    )
 
 
 def _nested_jaxprs(params: dict[str, Any]) -> list[Any]:
@@ -605,8 +727,12 @@ def own_axes(names: Iterable[Any]) -> frozenset[str]:
     return names - frozenset(mesh_lib.get_abstract_mesh().axis_names)
 
 
+BlockReads = tuple[tuple[int, frozenset[int]], ...]
+"""Per block-mapped operand position, the scalar-prefetch operand positions its index map reads."""
+
+
 def summarize(jaxpr: Any, same_memory: SameMemory = (),
-              kernel_axes: frozenset[str] = frozenset()) -> _Summary | Refusal:
+              kernel_axes: frozenset[str] = frozenset(), block_reads: BlockReads = ()) -> _Summary | Refusal:
     """What each ref invar of a kernel jaxpr holds at the end, in terms of the
     initial contents of the kernel's invars (token ``k`` for invar ``k``).
 
@@ -615,8 +741,11 @@ def summarize(jaxpr: Any, same_memory: SameMemory = (),
     and its scratch buffers (0.9) as invars. The refs of each group in
     ``same_memory`` are one buffer on the device (``input_output_aliases``): a
     write through either is seen through both, so they are analysed as one.
-    ``axis_index`` over one of ``kernel_axes`` (from :func:`own_axes`) is local."""
-    key = (same_memory, kernel_axes)
+    ``axis_index`` over one of ``kernel_axes`` (from :func:`own_axes`) is local.
+    Operand ``k`` of ``block_reads`` holds, in every grid step, the block its
+    index map picks from the prefetch refs it reads: their contents, written
+    by the body too, reach it."""
+    key = (same_memory, kernel_axes, block_reads)
     with _cache_lock:
         try:
             cached = _cache.get(jaxpr, {}).get(key)
@@ -624,7 +753,7 @@ def summarize(jaxpr: Any, same_memory: SameMemory = (),
             cached = None
     if cached is not None:
         return cached
-    result = _summarize(jaxpr, same_memory, kernel_axes)
+    result = _summarize(jaxpr, same_memory, kernel_axes, block_reads)
     with _cache_lock:
         try:
             _cache.setdefault(jaxpr, {})[key] = result
@@ -633,12 +762,13 @@ def summarize(jaxpr: Any, same_memory: SameMemory = (),
     return result
 
 
-_cache: weakref.WeakKeyDictionary[Any, dict[tuple[SameMemory, frozenset[str]], _Summary | Refusal]] = (
+_cache: weakref.WeakKeyDictionary[Any, dict[tuple[SameMemory, frozenset[str], BlockReads], _Summary | Refusal]] = (
     weakref.WeakKeyDictionary())
 _cache_lock = threading.Lock()
 
 
-def _summarize(jaxpr: Any, same_memory: SameMemory, kernel_axes: frozenset[str]) -> _Summary | Refusal:
+def _summarize(jaxpr: Any, same_memory: SameMemory, kernel_axes: frozenset[str],
+               block_reads: BlockReads) -> _Summary | Refusal:
     analysis = _Analysis(kernel_axes)
     env: dict[Any, Any] = {}
     ref_ids: list[int | None] = []
@@ -663,12 +793,20 @@ def _summarize(jaxpr: Any, same_memory: SameMemory, kernel_axes: frozenset[str])
         else:
             env[v] = frozenset({k})
             ref_ids.append(None)
+    end_prng: Taint = _EMPTY
     try:
         while True:  # the grid runs the body again and again
             analysis.changed = False
+            for k, prefetch in block_reads:  # which block the body sees depends on these refs
+                analysis.write(env[operands[k]][1], frozenset().union(
+                    *(analysis.ref_taint[env[operands[p]][1]] for p in prefetch)))
+            # Each step starts with what the last left in the PRNG, or (first step, another
+            # core) what the generator held before the kernel: "differs per device".
+            analysis.prng = end_prng | {_DEVICE}
             analysis.run(jaxpr, dict(env), _EMPTY)
-            if not analysis.changed:
+            if not analysis.changed and analysis.prng <= end_prng | {_DEVICE}:
                 break
+            end_prng |= analysis.prng
     except _Refused as refused:
         return refused.refusal
     return _Summary(tuple(None if r is None else analysis.ref_taint[r] for r in ref_ids))
@@ -688,28 +826,32 @@ def for_pallas_call(params: dict[str, Any], kernel_axes: frozenset[str] = frozen
     if getattr(jaxpr, "constvars", ()):
         return Refusal("pallas_call", "has a kernel jaxpr with constants, which inference does not track", "")
     aliases = {int(o): int(i) for i, o in params.get("input_output_aliases", ())}
-    # An aliased input and its output are one buffer: the kernel may write either ref.
-    summary = summarize(jaxpr, tuple(frozenset({i, num_user + o}) for o, i in sorted(aliases.items())),
-                        kernel_axes)
-    if isinstance(summary, Refusal):
-        return summary
     num_scratch = int(getattr(gm, "num_scratch_operands", 0) or 0)
     num_index = int(getattr(gm, "num_index_operands", 0) or 0)
     if len(jaxpr.invars) != num_user + num_out + num_scratch:
         return Refusal("pallas_call", f"has a kernel with {len(jaxpr.invars)} operands where reprules "
                        f"expects {num_user} inputs, {num_out} outputs and {num_scratch} scratch "
                        "buffers (captured references?), which inference does not track", "")
-    index_maps = [getattr(bm, "index_map_jaxpr", None) for bm in getattr(gm, "block_mappings", ()) or ()]
-    for index_map in index_maps:
-        if index_map is not None:
-            try:
-                _Analysis(kernel_axes).check_local(index_map)
-            except _Refused as refused:
-                return refused.refusal
-    reads_prefetch = num_index and any(
-        index_map is not None and _uses_any(_jaxpr_and_consts(index_map)[0], skip=len(getattr(gm, "grid", ())))
-        for index_map in index_maps
-    )
+    # Block mapping b picks the block of kernel operand num_index + b; its index map
+    # takes the grid indices, then the scalar-prefetch refs (kernel operands 0 ..).
+    block_reads: list[tuple[int, frozenset[int]]] = []
+    num_grid = len(getattr(gm, "grid", ()) or ())
+    for b, bm in enumerate(getattr(gm, "block_mappings", ()) or ()):
+        index_map = getattr(bm, "index_map_jaxpr", None)
+        if index_map is None:
+            continue
+        try:
+            _Analysis(kernel_axes).check_local(index_map)
+        except _Refused as refused:
+            return refused.refusal
+        read = _used_invars(_jaxpr_and_consts(index_map)[0], skip=num_grid)
+        if read and num_index:
+            block_reads.append((num_index + b, frozenset(p for p in read if p < num_index)))
+    # An aliased input and its output are one buffer: the kernel may write either ref.
+    summary = summarize(jaxpr, tuple(frozenset({i, num_user + o}) for o, i in sorted(aliases.items())),
+                        kernel_axes, tuple(block_reads))
+    if isinstance(summary, Refusal):
+        return summary
     depends: list[frozenset[int]] = []
     for i in range(num_out):
         tokens = summary.ref_depends[num_user + i]
@@ -722,8 +864,6 @@ def for_pallas_call(params: dict[str, Any], kernel_axes: frozenset[str] = frozen
             elif k < num_user + num_out and (k - num_user) in aliases:
                 deps.add(aliases[k - num_user])  # the output starts as its aliased input
             # scratch and unaliased outputs start undefined: nothing to depend on
-        if reads_prefetch:
-            deps.update(range(num_index))
         depends.append(frozenset(deps))
     return InferredRule(tuple(depends), num_user)
 
@@ -855,13 +995,12 @@ _registrations: weakref.WeakKeyDictionary[Any, list[tuple[Any, Any, Registration
 )
 
 
-def _uses_any(jaxpr: Any, skip: int) -> bool:
-    """Whether ``jaxpr`` reads any of its invars after the first ``skip`` ones."""
-    wanted = set(jaxpr.invars[skip:])
-    if not wanted:
-        return False
+def _used_invars(jaxpr: Any, skip: int) -> frozenset[int]:
+    """The positions (counted after the first ``skip``) of the invars ``jaxpr`` reads."""
+    position = {v: k - skip for k, v in enumerate(jaxpr.invars) if k >= skip}
     used = [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars)
-    return any(type(v).__name__ != "Literal" and v in wanted for v in used)  # Literals: unhashable (0.12)
+    # Literals: unhashable (0.12)
+    return frozenset(position[v] for v in used if type(v).__name__ != "Literal" and v in position)
 
 
 def refusal_text(refusal: Refusal, kernel: str, axes: Sequence[str], jax_version: str) -> str:
