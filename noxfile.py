@@ -8,6 +8,8 @@
     python -m pip install --quiet nox uv && python -m nox -s main    # the main job
 """
 
+import os
+import time
 from collections.abc import Sequence
 
 import nox
@@ -53,10 +55,15 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
     if tokamax and jax == JAX_MATRIX[-1]:
         extras += ",tokamax"
     _install(session, f"jax=={jax}", f"jaxlib=={jax}", "-e", f".[{extras}]")
+    # The soundness fuzzer (tests/test_fuzz_inference.py): a seed that changes between runs,
+    # printed here so that a failure can be replayed; 300 kernels on the newest JAX, 100 elsewhere.
+    seed = os.environ.get("REPRULES_FUZZ_SEED") or str(int(time.time()) % 2**31)
+    count = os.environ.get("REPRULES_FUZZ_COUNT") or ("300" if jax == JAX_MATRIX[-1] else "100")
+    session.log(f"soundness fuzzer: REPRULES_FUZZ_SEED={seed}, {count} kernels on JAX {jax}")
     # One pytest-xdist worker per core (the tests are single-threaded Python, mostly tracing);
     # reprules' own modules and the tests may cache their bytecode too.
     session.run("python", "-m", "pytest", "-n", "auto", *(session.posargs or files),
-                env={"PYTHONDONTWRITEBYTECODE": None})
+                env={"PYTHONDONTWRITEBYTECODE": None, "REPRULES_FUZZ_SEED": seed, "REPRULES_FUZZ_COUNT": count})
 
 
 @nox.session(python="3.12")
@@ -88,11 +95,16 @@ DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocstrings[python]==1.0.8", "mkdocstrings-pyth
 def docs(session: nox.Session) -> None:
     """The documentation site (``.docs/``), built with warnings as errors into ``.docs/site/``.
 
-    Its code examples are run by ``tests/test_docs.py`` in the ``tests`` sessions.
+    Then ``tests/test_docs_site.py`` opens every page of it in headless Chromium at 1280 px
+    (nothing scrolls sideways; skipped, saying so, without Chromium). Its code examples are
+    run by ``tests/test_docs.py`` in the ``tests`` sessions.
     """
-    _install(session, f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", *DOCS_TOOLS, "-e", ".")
+    _install(session, f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", *DOCS_TOOLS, "pytest>=8",
+             "-e", ".")
     session.run("mkdocs", "build", "--strict", "--config-file", ".docs/mkdocs.yml", *session.posargs,
                 env={"NO_MKDOCS_2_WARNING": "1"})
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests/test_docs_site.py",
+                env={"REPRULES_DOCS_SITE": ".docs/site"})
 
 
 @nox.session(python="3.12")

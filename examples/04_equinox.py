@@ -12,11 +12,12 @@ The script prints the all-reduces of one step with checking off (what users
 do without a rule: the parameter gradients are also summed over ``model``,
 where they are replicated, a defensive all-reduce) and with reprules (summed
 over ``data`` only), checks the gradients and the trained parameters against
-unsharded training, and exits non-zero if a check fails. Without Equinox (or
-with an Equinox that does not support the installed JAX) it prints why and
-exits 0.
+unsharded training, and exits non-zero if a check fails. Without Equinox it
+says what to install, in one line, and exits 1; with an Equinox that does not
+support the installed JAX it prints ``SKIPPED:`` and why, and exits 0.
 
-Run (8 fake CPU devices are set up by the script itself; ``pip install equinox``):
+Run (8 fake CPU devices are set up by the script itself; needs Equinox:
+``pip install 'reprules[examples]'``):
 
     python examples/04_equinox.py
 """
@@ -38,7 +39,10 @@ import reprules  # noqa: E402
 
 try:
     import equinox as eqx
-except Exception as err:  # not installed, or an Equinox built for another JAX
+except Exception as err:
+    if isinstance(err, ModuleNotFoundError) and err.name == "equinox":  # not installed
+        sys.exit("04_equinox.py needs Equinox: pip install 'reprules[examples]' (or pip install equinox)")
+    # installed, but built for another JAX (it may import what this JAX lacks)
     print(f"SKIPPED: equinox is not importable with JAX {jax.__version__} ({type(err).__name__}: {err}); "
           "pip install equinox")
     sys.exit(0)

@@ -11,7 +11,7 @@ reprules installs a pytest plugin (no ``conftest.py`` needed) with:
   the marker ``@pytest.mark.reprules_devices(n)``, which skips a test when
   fewer devices exist.
 
-This file is itself a pytest file. Run:
+This file is itself a pytest file. Run (needs pytest: ``pip install 'reprules[examples]'``):
 
     pytest examples/06_test_with_fixture.py --reprules-cpu-devices 8
     python examples/06_test_with_fixture.py        # the same, through pytest.main
@@ -19,7 +19,12 @@ This file is itself a pytest file. Run:
 
 import sys
 
-import pytest
+try:
+    import pytest
+except ModuleNotFoundError as err:
+    if err.name != "pytest":
+        raise
+    sys.exit("06_test_with_fixture.py needs pytest: pip install 'reprules[examples]' (or pip install pytest)")
 
 pytestmark = pytest.mark.reprules_devices(8)
 

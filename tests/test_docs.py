@@ -1,10 +1,10 @@
 """The documentation's code runs, so the docs cannot drift from the code.
 
-Every ```python block of ``.docs/pages/*.md``, and of README.md's Quick start,
-runs: the blocks of one page in order, as one script, in a fresh interpreter
-(``run`` from tests/test_examples.py). A page whose code does not set up its own
-devices gets ``reprules.testing.fake_cpu_devices(8)`` first. Markers, as HTML
-comments (invisible on the site and on GitHub):
+Every ```python block of ``.docs/pages/*.md`` runs: the blocks of one page in
+order, as one script, in a fresh interpreter (``run`` from
+tests/test_examples.py). A page whose code does not set up its own devices
+gets ``reprules.testing.fake_cpu_devices(8)`` first. Markers, as HTML comments
+(invisible on the site and on GitHub):
 
 * ``<!-- requires: jax >= 0.6 (why) -->`` anywhere in a page: the page is
   skipped, with that reason, on older JAX (its JAX feature does not exist there);
@@ -13,12 +13,21 @@ comments (invisible on the site and on GitHub):
   the python block before it, exactly (``{V:data}`` and JAX 0.7's ``{data}``
   compare equal).
 
-The site itself is built by ``python -m nox -s docs`` (``mkdocs build --strict``).
+README.md's ```python blocks, in order, are one pytest file (its example, then
+the pytest plugin's): it passes under pytest with the plugin, on every JAX the
+tests run on. The README stays short (at most 250 lines, an example of at
+most 15), its links point at files that exist, and its example and JAX table
+are the site's.
+
+The site itself is built by ``python -m nox -s docs`` (``mkdocs build --strict``),
+which then runs tests/test_docs_site.py on it in a headless browser.
 """
 
 import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -49,14 +58,10 @@ def blocks(text):
     return found
 
 
-def readme_quick_start():
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## Quick start\n")
-    return text[start:text.index("\n## ", start + 1)]
+README = ROOT / "README.md"
 
 
 def sources():
-    yield "README.md#quick-start", readme_quick_start()
     for page in PAGES:
         yield str(page.relative_to(ROOT)), page.read_text()
 
@@ -102,25 +107,68 @@ def test_page_code_runs(name, tmp_path):
                 f"{name}, block at line {line}: printed\n{printed}\nexpected\n" + "\n".join(expected))
 
 
-def test_getting_started_is_the_quick_start():
-    """The getting-started page runs the README's Quick start, unchanged."""
-    readme = [body for body, _, _ in blocks(readme_quick_start())]
-    page = [body for body, _, _ in blocks((ROOT / ".docs" / "pages" / "getting-started.md").read_text())]
-    assert readme and page[0] == readme[0]
+def readme_python():
+    """README.md's ```python blocks, in order (none is marked ``not run``)."""
+    return [body for body, _, _ in blocks(README.read_text())]
+
+
+def test_readme_is_short():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move details to .docs/pages/"
+    example = readme_python()[0].splitlines()
+    assert len(example) <= 15, f"README.md's example has {len(example)} lines"
+    assert any("@reprules.replication_rule(" in line for line in example)
+    assert any(line.startswith("def test_") for line in example)  # and a test using a fixture
+
+
+def test_readme_runs_under_pytest(tmp_path):
+    """README.md's python blocks, as one test file, pass under pytest and the plugin."""
+    code = readme_python()
+    tests = sum(body.count("\ndef test_") + body.startswith("def test_") for body in code)
+    path = tmp_path / "test_readme.py"
+    path.write_text("\n\n".join(code))
+    # As a user runs it: in their own directory (not this repository's pytest settings).
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "--reprules-cpu-devices", "8", path.name],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert f"{tests} passed" in out and "skipped" not in out, out[-4000:]
+
+
+def test_readme_example_is_the_sites():
+    """The site's home page shows the README's example, unchanged."""
+    index = (ROOT / ".docs" / "pages" / "index.md").read_text()
+    page = [m.group(2) for m in FENCE.finditer(index) if m.group(1) == "python"]  # marked "not run"
+    assert page == [readme_python()[0]]
+
+
+def test_readme_links_resolve():
+    """Every relative link of README.md points at a file of this repository."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    local = [link for link in links if "://" not in link]
+    assert any(link.endswith("performance.md") for link in local)
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, missing
+    for page in ("rules", "inference", "packs", "safety", "audit", "performance", "jax-compatibility"):
+        assert f".docs/pages/{page}.md" in local, page
+
+
+def compatibility_table(text):
+    """The Markdown table whose header starts with ``| JAX | regime |``."""
+    start = text.index("| JAX | regime |")
+    end = text.find("\n\n", start)
+    return text[start:end if end != -1 else None].strip()
+
+
+def test_compatibility_table_is_the_sites():
+    """README.md's JAX-compatibility table is the compatibility page's, unchanged."""
+    page = (ROOT / ".docs" / "pages" / "jax-compatibility.md").read_text()
+    assert compatibility_table(README.read_text()) == compatibility_table(page)
 
 
 def test_every_page_is_in_the_nav():
     config = (ROOT / ".docs" / "mkdocs.yml").read_text()
     pages = {str(p.relative_to(ROOT / ".docs" / "pages")) for p in PAGES}
     assert pages == set(re.findall(r":\s*([\w/.-]+\.md)\s*$", config, re.M))
-
-
-def test_why_not_annotate_is_the_readmes():
-    """The JAX-compatibility page carries README's "Why not annotate `out_shape` yourself", unchanged."""
-    def section(text):
-        start = text.index("## Why not annotate `out_shape` yourself\n")
-        end = text.find("\n## ", start + 1)
-        return text[start:end if end != -1 else None].strip()
-
-    page = (ROOT / ".docs" / "pages" / "jax-compatibility.md").read_text()
-    assert section(page) == section((ROOT / "README.md").read_text())

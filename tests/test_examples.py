@@ -6,8 +6,11 @@ another count given in ``XLA_FLAGS``) and exits non-zero when its own check
 fails; here we also check what it printed. ``06_test_with_fixture.py`` is a
 pytest file and is run with pytest. The benchmark gets a smoke run (tiny
 shapes, two rounds): its collective figures are checked, its timings are not.
-An example that cannot run here (Equinox missing or too old for this JAX)
-prints ``SKIPPED: <why>`` and the test is skipped with that reason.
+An example that cannot run here (an Equinox too old for this JAX) prints
+``SKIPPED: <why>`` and the test is skipped with that reason. An example whose
+optional dependency (the extra ``reprules[examples]``) is not installed says
+what to install, in one line, and exits 1: checked here with the import
+blocked.
 """
 
 import json
@@ -33,6 +36,26 @@ def run(args, timeout=600):
                             cwd=ROOT, env=env)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
+
+
+# The examples that need an optional dependency, and the module each needs.
+OPTIONAL = {"04_equinox.py": "equinox", "06_test_with_fixture.py": "pytest"}
+
+
+@pytest.mark.parametrize("script", sorted(OPTIONAL))
+def test_missing_dependency_is_one_line(script):
+    """Without its optional dependency an example says what to install: one line, no traceback, exit 1."""
+    path, module = ROOT / "examples" / script, OPTIONAL[script]
+    # sys.modules[name] = None makes `import name` raise ModuleNotFoundError, as if not installed.
+    block = (f"import runpy, sys; sys.modules[{module!r}] = None; sys.argv = [{str(path)!r}]; "
+             f"runpy.run_path({str(path)!r}, run_name='__main__')")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=600,
+                            cwd=ROOT, env=env)
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 1, lines
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert lines[0].startswith(f"{script} needs ") and "pip install 'reprules[examples]'" in lines[0], lines
 
 
 def rows(stdout, names):

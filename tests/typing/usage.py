@@ -1,4 +1,4 @@
-"""Every registration form the README shows, checked by ``mypy --strict`` as user code.
+"""Every registration form the README and the docs pages show, checked by ``mypy --strict`` as user code.
 
     python -m nox -s typecheck     # mypy --strict reprules tests/typing/usage.py
 
