@@ -158,12 +158,15 @@ class _Writer:
 
     def cond(self) -> None:
         k, a, b, name = self.scalar(), self.value(), self.value(), self.fresh("v")
-        self.emit(f"{name} = jax.lax.cond(jnp.abs({k}) % 2 == 0, lambda: {a} * 2.0, lambda: {b})")
+        # Each branch mixes in the other's value: on JAX 0.8 - 0.9 a kernel body's values carry
+        # their varying axes, and branches (and loop carries) must agree on them.
+        self.emit(f"{name} = jax.lax.cond(jnp.abs({k}) % 2 == 0, lambda: {a} * 2.0 + {b} * 0.0, "
+                  f"lambda: {b} + {a} * 0.0)")
         self.values.append(name)
 
     def fori(self) -> None:
         k, a, b, name = self.scalar(), self.value(), self.value(), self.fresh("v")
-        self.emit(f"{name} = jax.lax.fori_loop(0, jnp.abs({k}) % 3, lambda j, c: c * 0.5 + {b}, {a})")
+        self.emit(f"{name} = jax.lax.fori_loop(0, jnp.abs({k}) % 3, lambda j, c: c * 0.5 + {b}, {a} + {b} * 0.0)")
         self.values.append(name)
 
     def while_loop(self) -> None:
@@ -303,8 +306,8 @@ def _generate_pallas_call(rng: random.Random, seed: int, index: int) -> Case:
             "        kernel,",
             f"        out_shape=[{', '.join('jax.ShapeDtypeStruct((G * R, C), jnp.float32)' for _ in outputs)}],",
             f"        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch={int(prefetch)}, grid=(G,),",
-            f"            in_specs=[{', '.join(f'pl.BlockSpec((R, C), {m})' for m in maps)}],",
-            f"            out_specs=[{', '.join(f'pl.BlockSpec((R, C), {m})' for m in out_maps)}],",
+            f"            in_specs=[{', '.join(f'pl.BlockSpec(block_shape=(R, C), index_map={m})' for m in maps)}],",
+            f"            out_specs=[{', '.join(f'pl.BlockSpec(block_shape=(R, C), index_map={m})' for m in out_maps)}],",
             f"            scratch_shapes=[{', '.join(scratch)}]),",
             f"        input_output_aliases={aliases}, interpret=INTERPRET)({', '.join(args)})",
         ]
@@ -494,21 +497,22 @@ def _is_out_specs_refusal(err: Exception) -> bool:
     return "out_specs" in text and ("replicat" in text or "vary" in text or "varying" in text)
 
 
-def check(case: Case, mesh: Any, call: Any = None) -> Outcome:
-    """Runs ``case`` (or ``call``, the compiled form of its source) and compares."""
+def check(case: Case, mesh: Any, call: Any = None, values: bool = True) -> Outcome:
+    """Runs ``case`` (or ``call``, the compiled form of its source) and compares;
+    ``values=False``: the typing only (a kernel CPU cannot run, e.g. its real PRNG)."""
     call = compile_source(case.source) if call is None else call
     rng = np.random.default_rng([case.seed, case.index])
     full = inputs_for(case, rng, emulate=case.emulated is not None)
     real = _fit(case, full[: len(case.in_axes)])
     refused, replicated = typing(case, mesh, real, call)
-    if refused is not None:
-        return Outcome(refused, {}, [])
-    values = per_device(case, mesh, _fit(case, full), call)
+    if refused is not None or not values:
+        return Outcome(refused, replicated, [])
+    blocks = per_device(case, mesh, _fit(case, full), call)
     wrong = []
     for (j, axis), is_replicated in replicated.items():
         if not is_replicated:
             continue
-        v = values[j]
+        v = blocks[j]
         same = (v == v[:, :1]).all() if axis == "model" else (v == v[:1]).all()
         if not same:
             wrong.append(f"output {j} is typed replicated over {axis!r} but differs across it")

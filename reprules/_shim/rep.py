@@ -61,7 +61,19 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
         if num_out is None:
             num_out = num_results if num_results is not None else _num_results(op.prim)
         ctx = _common.rule_context(reg, manual_axes(mesh), len(in_vary), num_out)
-        return first, in_vary, decide(reg, ctx, in_vary), all_axes, reg
+        decision = decide(reg, ctx, in_vary)
+        # JAX's check pass decides again from the inputs as the rewrite cast them; where an
+        # output depends on an input cast up for another output (a derived rule), decide
+        # until the casts change nothing, so that both passes agree. Rules only ever add
+        # axes, so this ends; the bound only guards against a rule that does not.
+        for _ in range(len(all_axes) * (len(in_vary) + 1) + 1):
+            if decision.inputs is None or tuple(decision.inputs) == in_vary:
+                break
+            again = decide(reg, ctx, tuple(decision.inputs))
+            if again.outputs == decision.outputs and (again.inputs or decision.inputs) == decision.inputs:
+                break
+            decision = again
+        return first, in_vary, decision, all_axes, reg
 
     def missing(mesh: Any, params: dict[str, Any]) -> _errors.MissingRuleError:
         jax_error = _jax_refusal(op.prim)
