@@ -166,7 +166,10 @@ class _Writer:
 
     def fori(self) -> None:
         k, a, b, name = self.scalar(), self.value(), self.value(), self.fresh("v")
-        self.emit(f"{name} = jax.lax.fori_loop(0, jnp.abs({k}) % 3, lambda j, c: c * 0.5 + {b}, {a} + {b} * 0.0)")
+        # The loop-invariant value rides in the carry: JAX 0.7 - 0.8 type a kernel body's
+        # closed-over values apart from its carries.
+        self.emit(f"{name} = jax.lax.fori_loop(0, jnp.abs({k}) % 3, lambda j, c: (c[0] * 0.5 + c[1], c[1]), "
+                  f"({a} + {b} * 0.0, {b} + {a} * 0.0))[0]")
         self.values.append(name)
 
     def while_loop(self) -> None:
@@ -262,7 +265,7 @@ def _generate_pallas_call(rng: random.Random, seed: int, index: int) -> Case:
     prng = FEATURES["prng"] and rng.random() < 0.25
     inputs = [f"x{j}_ref" for j in range(n_in)]
     outputs = [f"o{j}_ref" for j in range(n_out)]
-    aliased = {0} if rng.random() < 0.2 else set()  # input 0 -> output 0
+    aliased = {0} if rng.random() < 0.2 and (FEATURES["alias_with_prefetch"] or not prefetch) else set()
     w = _Writer(rng, grid=grid, prefetch=prefetch, prng=prng, inputs=inputs, outputs=outputs, aliased=aliased,
                 writes_prefetch=writes_prefetch)
     w.emit("i = pl.program_id(0)")
@@ -377,7 +380,13 @@ def _features() -> dict[str, bool]:
         # pl.kernel over a TPU core mesh, interpreted on CPU: JAX 0.8+ (0.7 has pl.kernel,
         # but its core_map refuses interpretation inside shard_map).
         "kernel": hasattr(pl, "kernel") and JAX_VERSION >= (0, 8),
-        "new_ref": hasattr(jax, "new_ref") and JAX_VERSION >= (0, 8),
+        # A pl.kernel capturing a jax.new_ref: JAX 0.10+. On 0.8 - 0.9 reprules' new_ref hook
+        # crashes on it (TypeError), or with a fix in progress typed its output replicated:
+        # an open finding, tests/test_infer_effects.py keeps it visible (xfail) until fixed.
+        "new_ref": hasattr(jax, "new_ref") and JAX_VERSION >= (0, 10),
+        # JAX 0.6's TPU interpreter miscounts input_output_aliases past scalar prefetch
+        # (IndexError in interpret_pallas_call, checking off): not reprules'.
+        "alias_with_prefetch": not (hasattr(pltpu, "InterpretParams") and JAX_VERSION < (0, 7)),
     }
 
 

@@ -152,7 +152,7 @@ def test_fuzzer_counterexamples_draw_before_a_seed(mesh, source):
 @needs_kernel
 def test_a_kernel_that_only_reads_a_captured_ref_by_dma_is_derived(mesh):
     if not FEATURES["new_ref"]:
-        pytest.skip("this JAX has no jax.new_ref")
+        pytest.skip("a pl.kernel capturing a jax.new_ref: JAX 0.10+ (0.8 - 0.9: open, see below)")
     source = """\
 def call(x0, w):
     w_ref = jax.new_ref(w)
@@ -216,11 +216,12 @@ def test_an_input_cast_up_for_one_output_types_the_other_alike(mesh):
 
 
 @needs_kernel
+@pytest.mark.xfail((0, 8) <= fuzz_kernels.JAX_VERSION < (0, 10), strict=False,
+                   reason="open (issue 30): on JAX 0.8 - 0.9 reprules' new_ref hook crashes on a "
+                          "captured ref, and a fix in progress typed the output replicated")
 def test_a_kernel_with_a_captured_ref_is_typed_by_what_it_reads(mesh):
     """Found by the fuzzer on JAX 0.8.3: a pl.kernel that captures a jax.new_ref and
     copies its data-varying input out must not be typed replicated over data."""
-    if not FEATURES["new_ref"]:
-        pytest.skip("this JAX has no jax.new_ref")
     source = """\
 def call(x0, w):
     w_ref = jax.new_ref(w)
