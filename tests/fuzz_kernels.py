@@ -187,6 +187,19 @@ class _Writer:
         self.emit(f"{name} = DRAW({self.rng.choice(forms)})")
         self.values.append(name)
 
+    def local_op(self) -> None:
+        """One of Pallas' own local ops where this JAX has it (einshape, trace_value, run_state)."""
+        a, k, name = self.value(), self.scalar(), self.fresh("v")
+        ops = [f"{name} = pl.run_state(lambda r: r.__setitem__(Ellipsis, r[...] * 2.0))({a})"]
+        if FEATURES["einshape"]:
+            ops.append(f"{name} = pltpu.einshape('ab->ba', pltpu.einshape('ab->ba', {a}))")
+        if FEATURES["trace_value"]:
+            ops.append(f"pltpu.trace_value('k', {k})")
+        line = self.rng.choice(ops)
+        self.emit(line)
+        if line.startswith(name):
+            self.values.append(name)
+
     def effects(self) -> list[Any]:
         """The statements that may appear inside a ``pl.when``."""
         found = [self.scratch_write, self.output_write, self.arith]
@@ -202,6 +215,8 @@ class _Writer:
                    self.when, self.cond]
         if FEATURES["loops"]:
             choices += [self.fori, self.while_loop]
+        if FEATURES["run_state"]:
+            choices.append(self.local_op)
         if self.prefetch:
             choices += [self.read_prefetch, self.read_prefetch]
         if self.writes_prefetch:
@@ -390,6 +405,9 @@ def _features() -> dict[str, bool]:
         # apart from its carries (`c[0] + c[1]` loses the carry's varying axes), so JAX's own
         # carry check refuses it under check_vma, with or without reprules.
         "loops": not ((0, 7) <= JAX_VERSION < (0, 9)),
+        "run_state": hasattr(pl, "run_state") and JAX_VERSION >= (0, 9),
+        "einshape": hasattr(pltpu, "einshape"),
+        "trace_value": hasattr(pltpu, "trace_value") and JAX_VERSION >= (0, 12),  # before: no CPU lowering
         # JAX 0.6's TPU interpreter miscounts input_output_aliases past scalar prefetch
         # (IndexError in interpret_pallas_call, checking off): not reprules'.
         "alias_with_prefetch": not (hasattr(pltpu, "InterpretParams") and JAX_VERSION < (0, 7)),

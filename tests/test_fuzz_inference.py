@@ -82,6 +82,12 @@ def test_the_generator_covers_its_grammar():
         wanted.append("impl='pallas_tpu'")
     if features["kernel"]:
         wanted.append("pl.kernel(")
+    if features["run_state"]:
+        wanted.append("pl.run_state(")
+    if features["einshape"]:
+        wanted.append("pltpu.einshape(")
+    if features["trace_value"]:
+        wanted.append("pltpu.trace_value(")
     if features["new_ref"]:
         wanted.append("pltpu.sync_copy(w_ref, acc_ref)")
     assert [w for w in wanted if w not in sources] == []

@@ -176,12 +176,13 @@ OBSERVING = {
     "trace_value": "    pltpu.trace_value('x00', x0_ref[0, 0])\n    o0_ref[...] = x0_ref[...]",
     "run_state": ("    def twice(ref):\n        ref[...] = ref[...] * 2.0\n"
                   "    o0_ref[...] = pl.run_state(twice)(x0_ref[...])"),
+    "einshape": "    o0_ref[...] = pltpu.einshape('ab->ba', pltpu.einshape('ab->ba', x0_ref[...]))",
 }
 
 
 @pytest.mark.parametrize("name", sorted(OBSERVING))
 def test_local_primitives_inference_used_to_refuse(mesh, name):
-    module = fuzz_kernels.pltpu if name == "trace_value" else fuzz_kernels.pl
+    module = fuzz_kernels.pltpu if name in ("trace_value", "einshape") else fuzz_kernels.pl
     if not hasattr(module, name):
         pytest.skip(f"this JAX has no {module.__name__}.{name}")
     got = check(_case(_call("x0_ref, o0_ref, acc_ref", OBSERVING[name]), [("data",)]), mesh)

@@ -219,6 +219,7 @@ _NAMED = (
     ("jax._src.pallas.mosaic.primitives", "pack_elementwise_p", PURE),
     ("jax._src.pallas.mosaic.primitives", "unpack_elementwise_p", PURE),
     ("jax._src.pallas.mosaic.primitives", "with_memory_space_constraint_p", PURE),
+    ("jax._src.pallas.einshape", "einshape_lo_p", PURE),  # 0.12: pltpu.einshape, a reshape/transpose
     ("jax._src.pallas.triton.primitives", "atomic_rmw_p", REFS),
     ("jax._src.pallas.triton.primitives", "atomic_cas_p", REFS),
     ("jax._src.pallas.triton.primitives", "max_contiguous_p", PURE),
@@ -319,6 +320,7 @@ def _tables() -> dict[str, dict[Any, Any]]:
             ("jax._src.custom_derivatives", "custom_vjp_call_jaxpr_p"),
             ("jax._src.lax.lax", "composite_p"),
             ("jax._src.pallas.mosaic.sc_primitives", "parallel_loop_p"),  # SparseCore, 0.9+
+            ("jax._src.hijax", "call_hi_primitive_p"),  # 0.12: pltpu.einshape and other hi ops
         )),
     }
 
@@ -610,6 +612,9 @@ class _Analysis:
             rids = [self.new_ref(v, self.taint_of(b) | ctrl) for v, b in zip(jaxpr.invars, ins)]
             self.run(jaxpr, {v: ("ref", rid) for v, rid in zip(jaxpr.invars, rids)}, ctrl)
             return [self.ref_taint[rid] | ctrl for rid in rids]
+        if name == "call_hi_primitive":  # 0.12: a high-level op (pltpu.einshape); its meaning
+            # is its lojax expansion, which is what runs: analyse that
+            return self.call(_hi_expansion(eqn), ins, ctrl, eqn)
         if name == "run_scoped":
             if params.get("collective_axes"):
                 raise _refuse(eqn, "allocates memory shared across cores or devices "
@@ -656,6 +661,21 @@ class _Analysis:
         except Exception:
             raise _refuse(eqn, "has operands reprules cannot split into consts, carry and xs") from None
         return consts, carry, xs
+
+
+def _hi_expansion(eqn: Any) -> Any:
+    """The jaxpr of a ``call_hi_primitive`` equation's lojax expansion (``_prim.expand``)."""
+    import jax
+
+    hi = eqn.params.get("_prim")
+    try:
+        def expanded(*flat: Any) -> Any:
+            return jax.tree_util.tree_leaves(hi.expand(*jax.tree_util.tree_unflatten(hi.in_tree, flat)))
+
+        return jax.make_jaxpr(expanded)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars))
+    except Exception as err:
+        raise _refuse(eqn, f"is a high-level op ({type(hi).__name__}) whose expansion reprules could not "
+                           f"trace ({type(err).__name__}), so its dataflow is unknown") from None
 
 
 def _is_type_cast(eqn: Any) -> bool:
