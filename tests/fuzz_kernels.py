@@ -397,10 +397,7 @@ def _features() -> dict[str, bool]:
         # pl.kernel over a TPU core mesh, interpreted on CPU: JAX 0.8+ (0.7 has pl.kernel,
         # but its core_map refuses interpretation inside shard_map).
         "kernel": hasattr(pl, "kernel") and JAX_VERSION >= (0, 8),
-        # A pl.kernel capturing a jax.new_ref: JAX 0.10+. On 0.8 - 0.9 reprules' new_ref hook
-        # crashes on it (TypeError), or with a fix in progress typed its output replicated:
-        # an open finding, tests/test_infer_effects.py keeps it visible (xfail) until fixed.
-        "new_ref": hasattr(jax, "new_ref") and JAX_VERSION >= (0, 10),
+        "new_ref": hasattr(jax, "new_ref") and JAX_VERSION >= (0, 8),
         # Loops that compute: not on JAX 0.7 - 0.8, which type a loop body inside a kernel
         # apart from its carries (`c[0] + c[1]` loses the carry's varying axes), so JAX's own
         # carry check refuses it under check_vma, with or without reprules.

@@ -152,7 +152,7 @@ def test_fuzzer_counterexamples_draw_before_a_seed(mesh, source):
 @needs_kernel
 def test_a_kernel_that_only_reads_a_captured_ref_by_dma_is_derived(mesh):
     if not FEATURES["new_ref"]:
-        pytest.skip("a pl.kernel capturing a jax.new_ref: JAX 0.10+ (0.8 - 0.9: open, see below)")
+        pytest.skip("this JAX has no jax.new_ref")
     source = """\
 def call(x0, w):
     w_ref = jax.new_ref(w)
@@ -167,6 +167,9 @@ def call(x0, w):
                      interpret=INTERPRET)(x0)
 """
     got = check(_case(source, [("data",), ()], uses_kernel=True), mesh)
+    if fuzz_kernels.JAX_VERSION < (0, 10):  # core_map: inference reads no body that closes over a ref
+        assert got.refused is not None and got.refused.startswith("MissingRuleError")
+        return
     assert got.refused is None, got.refused
     assert got.replicated == {(0, "data"): False, (0, "model"): True} and not got.counterexamples
 
@@ -185,7 +188,9 @@ def test_local_primitives_inference_used_to_refuse(mesh, name):
     module = fuzz_kernels.pltpu if name in ("trace_value", "einshape") else fuzz_kernels.pl
     if not hasattr(module, name):
         pytest.skip(f"this JAX has no {module.__name__}.{name}")
-    got = check(_case(_call("x0_ref, o0_ref, acc_ref", OBSERVING[name]), [("data",)]), mesh)
+    # JAX < 0.12 cannot lower trace_value on CPU: its typing only there.
+    values = name != "trace_value" or FEATURES["trace_value"]
+    got = check(_case(_call("x0_ref, o0_ref, acc_ref", OBSERVING[name]), [("data",)]), mesh, values=values)
     assert got.refused is None, got.refused
     assert got.replicated == {(0, "data"): False, (0, "model"): True} and not got.counterexamples
 
@@ -217,12 +222,12 @@ def test_an_input_cast_up_for_one_output_types_the_other_alike(mesh):
 
 
 @needs_kernel
-@pytest.mark.xfail((0, 8) <= fuzz_kernels.JAX_VERSION < (0, 10), strict=False,
-                   reason="open (issue 30): on JAX 0.8 - 0.9 reprules' new_ref hook crashes on a "
-                          "captured ref, and a fix in progress typed the output replicated")
 def test_a_kernel_with_a_captured_ref_is_typed_by_what_it_reads(mesh):
     """Found by the fuzzer on JAX 0.8.3: a pl.kernel that captures a jax.new_ref and
-    copies its data-varying input out must not be typed replicated over data."""
+    copies its data-varying input out was typed replicated over data. Inference
+    refuses a body that closes over a ref there, and JAX 0.8 - 0.9 alone type every
+    output of a pl.kernel replicated: reprules let that stand. Under inference a
+    refusal is now a MissingRuleError on every version."""
     source = """\
 def call(x0, w):
     w_ref = jax.new_ref(w)
@@ -239,3 +244,5 @@ def call(x0, w):
     got = check(_case(source, [("data",), ()], uses_kernel=True), mesh)
     assert not got.counterexamples
     assert got.refused is not None or got.replicated[0, "data"] is False
+    if got.refused is not None:  # 0.8 - 0.9: inference reads no body that closes over a ref
+        assert got.refused.startswith("MissingRuleError") and "`pl.kernel`" in got.refused

@@ -6,8 +6,10 @@ closure that makes the output refs before the body is traced) or
 so no rule can be registered on them: inference derives one from the body,
 or refuses a body that reads its device index or communicates. On 0.10+ JAX
 refuses their unannotated out_shape, so a refusal is a ``MissingRuleError``;
-on 0.8 - 0.9 JAX types every output replicated and accepts it, so a refused
-body is left to JAX, and refused with the reason under ``reprules.strict()``.
+on 0.8 - 0.9 JAX alone types every output replicated and accepts it, which
+under inference would be a type nobody proved: a refused body is a
+``MissingRuleError`` there too, while reprules without inference leaves the
+call to JAX.
 """
 
 from __future__ import annotations
@@ -299,10 +301,8 @@ def test_verify_checks_inferred_rules(mesh, monkeypatch):
 
 
 def _refusal(f, x):
-    """The MissingRuleError of ``f(x)`` under inference (and strict mode where JAX alone accepts it)."""
-    import contextlib
-
-    with reprules.inference(), (contextlib.nullcontext() if MPMD else reprules.strict()):
+    """The MissingRuleError of ``f(x)`` under inference."""
+    with reprules.inference():
         with pytest.raises(reprules.MissingRuleError) as info:
             jax.jit(f)(x)
     return str(info.value)
@@ -356,18 +356,24 @@ def test_a_kernel_axis_named_like_a_mesh_axis_is_refused(mesh):
     assert "'data', 'model'" in message and f"JAX {jax.__version__}" in message
 
 
-@pytest.mark.skipif(MPMD, reason="JAX 0.8 - 0.9 accept a rule-less pl.kernel (typed replicated)")
-def test_a_refused_body_is_left_to_jax_outside_strict_mode(mesh):
+@pytest.mark.skipif(MPMD, reason="JAX 0.10+ refuses a rule-less pl.kernel itself")
+def test_a_refused_body_is_refused_under_inference_and_left_to_jax_without(mesh):
+    # JAX 0.8 - 0.9 alone type the output replicated although it varies over 'data' and
+    # 'model' (the body reads its index on 'model'): under inference that is refused ...
     x = put(randn(0, (8, 128)), mesh, P("data", None))
-    f = shard_map(indexed, mesh, P("data", None), P())  # JAX types the output replicated
-    with reprules.inference():
-        jaxpr = str(jax.make_jaxpr(f)(x))
+    f = shard_map(indexed, mesh, P("data", None), P())
+    message = _refusal(f, x)
+    assert "types every output of a pl.kernel replicated, whatever its body writes" in message
+    assert "`axis_index`" in message and f"JAX {jax.__version__}" in message
 
+    # ... and with reprules active but not inferring, JAX's own program is unchanged.
     def other(x_ref, o_ref):
         pltpu.sync_copy(x_ref, o_ref)
 
-    reprules.replication_rule()(other)  # reprules active, without inference
-    assert str(jax.make_jaxpr(f)(x)) == jaxpr
+    reprules.replication_rule()(other)
+    with_rule = str(jax.make_jaxpr(f)(x))
+    reprules.unregister(other)
+    assert "core_map" in with_rule and str(jax.make_jaxpr(f)(x)) == with_rule
 
 
 @pytest.mark.skipif(not MPMD, reason="hand annotation of a pl.kernel out_shape is used by JAX 0.10+ only")

@@ -747,3 +747,36 @@ def _caller_module() -> str | None:
             return name
         frame = frame.f_back
     return None
+
+
+# --- state kept from one hook to a later one of the same call ---------------------
+
+
+def jax_frame() -> FrameType | None:
+    """The innermost running frame outside reprules and outside generator
+    expressions: the JAX function whose call reached a hook (``pallas_call``'s
+    ``wrapped`` converts its out_shape leaves in a generator expression, and
+    binds ``pallas_call_p`` itself)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__")
+        if not (isinstance(name, str) and name.startswith("reprules.")) and frame.f_code.co_name != "<genexpr>":
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def running(frames: Sequence[FrameType | None]) -> list[bool]:
+    """Whether each frame is still running on this thread's stack.
+
+    State a hook leaves for a later hook of the same JAX call (the out_shape
+    conversion for the bind, a ``new_ref`` for the ``core_map``) is kept with
+    that call's frame, held strongly (so no later frame can take its address):
+    a call that raised between the two hooks leaves it behind, and it is
+    dropped as soon as its frame is seen finished."""
+    live: set[int] = set()
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        live.add(id(frame))
+        frame = frame.f_back
+    return [f is not None and id(f) in live for f in frames]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reprules._errors import ReplicationMismatchError
+from reprules._errors import ReplicationMismatchError, fmt_axes
 from reprules._registry import Registration
 from reprules._shim import _common
 
@@ -54,8 +54,8 @@ def insert_checks(
                 continue
             # all_gather, not pmax/pmin: JAX 0.4.28 has no replication rule for pmax.
             gathered = jax.lax.all_gather(make_varying(value, (axis,)), axis)
-            jax.debug.callback(functools.partial(_report, reg.name, repr(reg.rule), index, axis),
-                               *_compare(gathered))
+            jax.debug.callback(functools.partial(_report, reg.name, repr(reg.rule), index, axis,
+                                                 tuple(mesh_axes)), *_compare(gathered))
 
 
 def _compare(gathered: Any) -> tuple[Any, Any, Any]:
@@ -75,7 +75,8 @@ def _compare(gathered: Any) -> tuple[Any, Any, Any]:
     return jnp.max(size), jnp.sum(differs), nan_mismatch
 
 
-def _report(kernel: str, rule: str, index: int, axis: str, spread: Any, differing: Any, nan_mismatch: Any) -> None:
+def _report(kernel: str, rule: str, index: int, axis: str, mesh_axes: tuple[str, ...], spread: Any,
+            differing: Any, nan_mismatch: Any) -> None:
     # Runs once per device. It records rather than raises: an exception raised
     # by several devices' callbacks leaks into later executions on JAX <= 0.5.
     # reprules.verify() raises on exit (after jax.effects_barrier()).
@@ -92,7 +93,7 @@ def _report(kernel: str, rule: str, index: int, axis: str, spread: Any, differin
     message = (
         f"Verify mode: output {index} of kernel {kernel!r} is declared replicated over mesh axis "
         f"{axis!r} by its rule {rule}, but it differs across {axis!r}{how} "
-        f"(JAX {_common.JAX_VERSION}).\n"
+        f"(mesh axes {fmt_axes(mesh_axes)}, JAX {_common.JAX_VERSION}).\n"
         "Why: the rule promises JAX a replication the kernel does not deliver; JAX then skips "
         "collectives and gradients or out_specs=P() results are silently wrong.\n"
         f"Fix: make the rule say the output varies over {axis!r} (e.g. rules.same() instead of "

@@ -347,7 +347,10 @@ class _Activation:
 
 
 class _State(threading.local):
-    LIMIT = 16  # activations of traces that failed before their core_map are dropped at last
+    # Activations hold their wrapper's frame (matched by identity, so a stale one is
+    # never taken for a new call's); those of calls that raised before their
+    # core_map are dropped when the next one is made, and this bounds them anyway.
+    LIMIT = 16
 
     def __init__(self) -> None:
         self.activations: list[_Activation] = []
@@ -428,25 +431,28 @@ class _Hooks:
                 index, act.next_in = act.next_in, act.next_in + 1
                 inputs = act.decision.inputs
                 target = inputs[index] if inputs is not None and index < len(inputs) else now
-            if target - now:
+            # A Ref operand (jax.new_ref(w) passed to the kernel) keeps the type JAX gave
+            # it outside: a Ref cannot be cast (pvary refuses one), and the rule's output
+            # types do not need it to be (the output refs carry them).
+            if target - now and not _is_ref(init_val):
                 init_val = vma.cast_up(init_val, target - now)
             return original(init_val, *args, **kwargs)
 
         return new_ref
 
-    def _refuse_if_strict(self, local: dict[str, Any], refusal: infer.Refusal,
-                          in_vary: Sequence[frozenset[str]]) -> None:
-        """0.8 - 0.9: JAX types a rule-less pl.kernel's outputs replicated, which strict
-        mode refuses; say there why inference could not derive a rule."""
-        if not (_mode_state.strict_on() and frozenset().union(*in_vary)):
-            return
+    @staticmethod
+    def _refusal(local: dict[str, Any], refusal: infer.Refusal) -> _errors.MissingRuleError:
+        """0.8 - 0.9: JAX alone types a rule-less pl.kernel's outputs replicated, whatever
+        its body writes. Under inference that would be a rule nobody proved, so a body
+        inference cannot prove is refused, saying why."""
         from reprules._registry import kernel_name as name_of
 
         name, axes = name_of(local.get("body")), vma.manual_axes()
-        raise _errors.MissingRuleError(_errors.missing_rule_message(
+        return _errors.MissingRuleError(_errors.missing_rule_message(
             name, axes, _common.JAX_VERSION,
             jax_error=f"none: JAX {_common.JAX_VERSION} types every output of a pl.kernel "
-                      "replicated, whatever its body writes, and reprules.strict() refuses that",
+                      "replicated, whatever its body writes; under inference reprules refuses "
+                      "that rather than let an unproven type through",
             inference=infer.refusal_text(refusal, name, axes, _common.JAX_VERSION),
         ))
 
@@ -473,12 +479,13 @@ class _Hooks:
                 return None
             found = _infer_kernel(local, len(operands), len(out_leaves))
             if not isinstance(found, Registration):
-                self._refuse_if_strict(local, found, in_vary)
-                return None  # JAX alone types the call (0.8 - 0.9 accept it, typed replicated)
+                raise self._refusal(local, found)
             reg = found
         decision = decide(reg, self._context(reg, len(in_vary), len(out_leaves)), in_vary)
         _common.note_registered_call()
         act = _Activation(wrapper, reg, decision, out_leaves)
+        if acts:  # left by calls that raised before their core_map: dropped once finished
+            acts[:] = [a for a, live in zip(acts, _common.running([a.frame for a in acts])) if live]
         acts.append(act)
         del acts[: -_State.LIMIT]
         return act

@@ -20,6 +20,10 @@ that involve a registered kernel:
   ``a``-varying output), and no collective over ``a`` touched it. Such a part
   would be counted once per device. Otherwise reprules raises
   :class:`reprules.CotangentError`, naming the fix.
+* **A cotangent varying over fewer axes than its primal** (a kernel's rule
+  typed it replicated; JAX >= 0.8 refuses it) is cast up to the primal's type,
+  every device's value kept. A rule that lies is then caught by
+  ``reprules.verify()`` where its kernel ran.
 
 Covers every ``custom_vjp`` entry point: ``jax.custom_vjp.__call__`` (which,
 on 0.12, also builds the ``jax_custom_vjp3`` implementation from ``fwd``/``bwd``)
@@ -205,7 +209,7 @@ def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: _Call, fi
         own = _common.Watch()
         with _common.watching(own):
             out = bwd(*args)
-        if not _has_excess(out, call, field):
+        if not _mistyped(out, call, field):
             return out  # nothing to fix: exactly what JAX alone does
         # JAX alone refuses this cotangent. Fix it only if a registered kernel
         # is involved: one the bwd traced, or one in the fwd's or the bwd's
@@ -273,9 +277,22 @@ def _ct_varying(field: Field, ct: Any) -> frozenset[str]:
         return frozenset()
 
 
-def _has_excess(out: Any, call: _Call, field: Field) -> bool:
+def _mistyped(out: Any, call: _Call, field: Field) -> bool:
+    """Whether a cotangent of ``out`` has other varying axes than its primal: more
+    (JAX refuses it from 0.6.2; psummed where exact), or, for an array, fewer
+    (JAX refuses it from 0.8), as when a kernel's rule types its output
+    replicated: cast up, a free cast that keeps every device's values, as for
+    a kernel in the fwd. A rule that lies is then caught where its kernel ran
+    by ``reprules.verify()``, which names it, rather than by JAX's bwd type
+    check, which names neither (issue 30)."""
     pairs = _cts_and_types(out, call) or []  # None: malformed, JAX's own check reports it
-    return any(_ct_varying(field, ct) - field.varying(t) for ct, t in pairs if t is not None)
+    for ct, t in pairs:
+        if t is None:
+            continue
+        have, want = _ct_varying(field, ct), field.varying(t)
+        if have - want or (want - have and isinstance(ct, (jax.Array, core.Tracer))):
+            return True
+    return False
 
 
 class _BwdArgs(NamedTuple):

@@ -16,7 +16,9 @@ must then say ``vma=`` itself. reprules therefore works at the call's bind
   the rule says: those can have transposes;
 * it fixes the interpret-mode lowering for registered kernels (JAX's HLO
   interpreter starts output buffers invariant, then its while loop refuses the
-  varying body: a carry-type error from 0.6.2 on);
+  varying body: a carry-type error from 0.6.2 on; JAX's TPU interpreter
+  compares program ids of a grid whose size varies per device, megablox's with
+  per-shard group sizes, with invariant constants: a vma error);
 * it psums a ``custom_vjp`` cotangent over the axes it varies over and its
   primal does not (JAX <= 0.5 did this itself; from 0.6.2 JAX refuses it).
 
@@ -118,28 +120,48 @@ def psum(x: Any, axes: frozenset[str]) -> Any:
 
 class _Unannotated(threading.local):
     """Types JAX made from out_shape leaves without the user's annotation, for
-    the ``pallas_call`` bind that follows (matched by identity), each with
-    JAX's refusal of the leaf if it refused it."""
+    the ``pallas_call`` bind that follows in the same call, each with JAX's
+    refusal of the leaf if it refused it.
 
-    LIMIT = 1024  # leaves of calls that failed before their bind are dropped at last
+    Matched by identity *and* by the JAX frame that converted them (the call's
+    ``wrapped``, which binds too): JAX interns types, so a later call's
+    annotated leaf can be the very object an earlier call left here. A call
+    that raised between its conversion and its bind (JAX refusing an operand,
+    the kernel failing to trace) leaves its items behind; they are dropped as
+    soon as its frame is seen finished (``_common.running``)."""
+
+    LIMIT = 1024  # a bound, whatever happens
 
     def __init__(self) -> None:
-        self.items: list[tuple[Any, Exception | None]] = []
+        self.items: list[tuple[Any, Any, Exception | None]] = []  # (frame, type, refusal)
 
     def add(self, aval: Any, refusal: Exception | None) -> None:
-        self.items.append((aval, refusal))
+        frame = _common.jax_frame()
+        if self.items and self.items[-1][0] is not frame:
+            self._drop_finished()
+        self.items.append((frame, aval, refusal))
         del self.items[: -self.LIMIT]
 
     def take(self, avals: Sequence[Any]) -> dict[int, Exception | None]:
-        """``{output index: refusal}`` of the unannotated ones among ``avals``."""
+        """``{output index: refusal}`` of the unannotated ones among ``avals``
+        (converted by the frame that binds them)."""
+        if not self.items:
+            return {}
+        frame = _common.jax_frame()
         found: dict[int, Exception | None] = {}
         for index, aval in enumerate(avals):
-            for j, (item, refusal) in enumerate(self.items):
-                if item is aval:
+            for j, (owner, item, refusal) in enumerate(self.items):
+                if owner is frame and item is aval:
                     found[index] = refusal
                     del self.items[j]
                     break
+        if self.items:
+            self._drop_finished()
         return found
+
+    def _drop_finished(self) -> None:
+        owners = [owner for owner, _, _ in self.items]
+        self.items = [item for item, live in zip(self.items, _common.running(owners)) if live]
 
 
 _unannotated = _Unannotated()
@@ -181,6 +203,35 @@ class _RefusedLeaves:
 
 
 _refused = _RefusedLeaves()
+
+
+def _interpreted(interpret: Any) -> bool:
+    """Whether a ``pallas_call``'s ``interpret`` param picks an interpreter the
+    lowering fix covers: ``True`` (the HLO interpreter) or a TPU
+    ``InterpretParams`` (the TPU interpreter). GPU interpret params are not covered."""
+    if interpret is True:
+        return True
+    params_type = _tpu_interpret_params_type()
+    return params_type is not None and isinstance(interpret, params_type)
+
+
+@functools.cache
+def _tpu_interpret_params_type() -> type | None:
+    """The class ``_pallas_call_lowering`` tests for TPU interpret mode
+    (``pltpu.InterpretParams``); None where this JAX has no TPU interpreter
+    (then JAX's lowering never takes that path either)."""
+    try:  # 0.10+: the lowering imports it from here
+        from jax._src.pallas.mosaic.interpret import params as tpu_params
+    except ImportError:
+        # 0.6 - 0.9: pallas_call.py imports the interpreter module at its bottom
+        # as mosaic_tpu_interpret (a stand-in class no value is an instance of
+        # where that import fails).
+        from jax._src.pallas import pallas_call
+
+        module = getattr(pallas_call, "mosaic_tpu_interpret", None)
+        params_type = getattr(module, "InterpretParams", None)
+        return params_type if isinstance(params_type, type) else None
+    return tpu_params.InterpretParams
 
 
 def _retyped(ctx: Any, avals_in: list[Any], avals_out: list[Any]) -> Any:
@@ -329,13 +380,23 @@ class Regime:
         field = self.field
 
         def lowering(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
-            # Only plain interpret=True (the HLO interpreter) has the carry-type
-            # bug; InterpretParams objects take other paths that work.
-            if params.get("interpret") is True and _common.registration_of(params) is not None:
-                ctx = _retyped(ctx, [field.strip(a) for a in ctx.avals_in],
-                               [field.strip(a) for a in ctx.avals_out])
+            # interpret=True (the HLO interpreter): its output buffers start
+            # invariant, a carry-type error in its while loop. TPU interpret mode
+            # (pltpu.InterpretParams, force_tpu_interpret_mode): its grid loop
+            # compares program ids with invariant constants, a vma error where a
+            # grid bound varies per device (megablox gmm's per-shard group
+            # sizes). Either lowers one device's code; the rule typed the call
+            # at its bind, so it lowers from untyped avals with checking off.
+            if _interpreted(params.get("interpret")) and _common.registration_of(params) is not None:
+                untyped = _retyped(ctx, [field.strip(a) for a in ctx.avals_in],
+                                   [field.strip(a) for a in ctx.avals_out])
                 with config._check_vma(False):
-                    return original(ctx, *in_nodes, **params)
+                    out = original(untyped, *in_nodes, **params)
+                # The TPU interpreter's callbacks have effects: their tokens are
+                # set on the context it was given, JAX reads them from ctx.
+                if untyped.tokens_out is not None:
+                    ctx.set_tokens_out(untyped.tokens_out)
+                return out
             return original(ctx, *in_nodes, **params)
 
         return lowering
