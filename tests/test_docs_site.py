@@ -16,14 +16,12 @@ tests/test_audit_html.py.
 import importlib.util
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
-from test_audit_html import BROWSERS, Browser, find_browser
+from test_audit_html import browser  # noqa: F401 - the same headless Chromium, one per module
 
 ROOT = pathlib.Path(__file__).parent.parent
 WIDTH = 1280
@@ -71,26 +69,6 @@ def site(tmp_path_factory):
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return path
-
-
-@pytest.fixture(scope="module")
-def browser():
-    binary = find_browser()
-    if binary is None:
-        pytest.skip("no Chromium or Chrome found (looked at $REPRULES_CHROMIUM, /usr/bin/chromium and "
-                    f"{', '.join(BROWSERS)} on PATH); .ci/run installs Debian's `chromium` "
-                    "(apt-get install -y chromium)")
-    profile = tempfile.mkdtemp(prefix="reprules-chromium-")
-    b = Browser(binary, profile)
-    try:
-        b.call("Browser.getVersion", session=False, timeout=60)
-    except Exception as err:
-        b.close()
-        shutil.rmtree(profile, ignore_errors=True)
-        pytest.fail(f"{binary} did not answer the DevTools protocol on --remote-debugging-pipe: {err}")
-    yield b
-    b.close()
-    shutil.rmtree(profile, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -69,29 +69,25 @@ def test_the_generator_covers_its_grammar():
     sources = "\n".join(fuzz_kernels.generate(SEED, i).source for i in range(max(COUNT, 300)))
     wanted = ["pl.when(", "jax.lax.cond(", "pl.ds(", "acc_ref[...] =", "s_ref[", "lambda i, s: (s[",
               "input_output_aliases={0: 0}"]
-    features = fuzz_kernels.FEATURES
-    if features["loops"]:
-        wanted += ["jax.lax.fori_loop(", "jax.lax.while_loop("]
-    if features["alias_with_prefetch"]:
-        wanted.append("input_output_aliases={1: 0}")
-    if features["prng"]:
-        wanted += ["pltpu.prng_seed(", "pltpu.prng_random_bits("]
-    if features["stateful"]:
-        wanted.append("pltpu.stateful_bits(")
-    if features["pallas_key"]:
-        wanted.append("impl='pallas_tpu'")
-    if features["kernel"]:
-        wanted.append("pl.kernel(")
-    if features["run_state"]:
-        wanted.append("pl.run_state(")
-    if features["einshape"]:
-        wanted.append("pltpu.einshape(")
-    if features["trace_value"]:
-        wanted.append("pltpu.trace_value(")
-    if features["new_ref"]:
-        wanted.append("pltpu.sync_copy(w_ref, acc_ref)")
+    for feature, constructs in _CONSTRUCTS.items():
+        if fuzz_kernels.FEATURES[feature]:
+            wanted += constructs
     assert [w for w in wanted if w not in sources] == []
 
+
+# What a kernel of each feature writes, where this JAX has the feature.
+_CONSTRUCTS = {
+    "loops": ["jax.lax.fori_loop(", "jax.lax.while_loop("],
+    "alias_with_prefetch": ["input_output_aliases={1: 0}"],
+    "prng": ["pltpu.prng_seed(", "pltpu.prng_random_bits("],
+    "stateful": ["pltpu.stateful_bits("],
+    "pallas_key": ["impl='pallas_tpu'"],
+    "kernel": ["pl.kernel("],
+    "run_state": ["pl.run_state("],
+    "einshape": ["pltpu.einshape("],
+    "trace_value": ["pltpu.trace_value("],
+    "new_ref": ["pltpu.sync_copy(w_ref, acc_ref)"],
+}
 
 _COPY = """\
 G = 2
