@@ -49,7 +49,7 @@ code,.mono{font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 .badge{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;border:1px solid var(--line)}
 .b-identity,.b-name{background:#e7f5ff;border-color:#a5d8ff}.b-inference{background:#ebfbee;border-color:#b2f2bb}
 .b-none{background:#fff4e6;border-color:#ffc078}
-.defensive{color:var(--def);font-weight:600}.needed{color:var(--need)}
+.defensive{color:var(--def);font-weight:600}.needed{color:var(--need)}.dead{color:var(--muted)}
 .why{color:var(--muted);font-size:12px}
 details summary{cursor:pointer;color:var(--muted);font-size:12px}
 pre{white-space:pre-wrap;word-break:break-word;margin:4px 0}
@@ -145,6 +145,8 @@ def _summary_table(w: Mapping[str, Any], keys: Sequence[str]) -> str:
         ("collectives", [count(w[k], "all") for k in keys]),
         ("defensive", [count(w[k], "defensive") for k in keys]),
         ("needed", [count(w[k], "needed") for k in keys]),
+        *([("dead (not counted)", [f"{w[k].get('dead_count', 0)}" for k in keys])]
+          if any(w[k].get("dead_count") for k in keys) else []),
         ("kernels with rules", [f"{w[k]['kernels_with_rules']}/{w[k]['kernels_total']}"
                                 if w[k]["kernels_total"] else "none" for k in keys]),
         ("max error vs reference", [error(w[k]) for k in keys]),
@@ -195,15 +197,19 @@ def _collective_table(collectives: Sequence[Mapping[str, Any]]) -> str:
         over = (c.get("groups") or "?") if axes is None else (",".join(axes) or "-")
         shapes = " ".join(f"{c['dtype']}[{','.join(map(str, s))}]" for s in c["shapes"])
         status = f"<span class='{_e(c['status'])}'>{_e(c['status'])}</span>"
-        if c["defensive"]:
+        if c.get("dead"):
+            status += "<div class='why'>only in the jaxpr: dropped by lowering, never runs; not counted</div>"
+        elif c.get("added_by"):
+            status += f"<div class='why'>added by {_e(c['added_by'])} to a custom_vjp bwd's cotangent</div>"
+        if c["defensive"] and not c.get("dead"):
             status += f"<div class='why'>operand replicated over {_e(','.join(c['replicated_axes']))}</div>"
             if c.get("kernels_without_rule"):
                 status += (f"<div class='why'>likely cause: no rule for "
                            f"{_e(', '.join(c['kernels_without_rule']))}</div>")
         levels = " ".join(m if lvl in c["levels"] else "." for lvl, m in _LEVELS)
         note = ""
-        if list(c["levels"]) == ["jaxpr"]:
-            note = "<div class='why'>not lowered: dead code or a deduplicated call</div>"
+        if c.get("dead"):
+            note = "<div class='why'>dead code, not lowered</div>"
         elif c.get("folded"):
             note = "<div class='why'>folded away by XLA in compiled HLO</div>"
         lines = c.get("lines") or ()
@@ -260,7 +266,10 @@ def render(doc: Mapping[str, Any]) -> str:
             f"<nav>{nav}</nav>" if len(workloads) > 1 else "",
             '<p class="note">Collectives per training step, bytes per device. <b>Defensive</b>: a transpose '
             "all-reduce over axes where its operand is replicated (it moves bytes for nothing); "
-            "<b>needed</b>: every other. Levels: J jaxpr, S StableHLO, H compiled HLO (* asynchronous).</p>"]
+            "<b>needed</b>: every other (<b>added by reprules</b>: a psum reprules added to a custom_vjp "
+            "bwd's cotangent, its source that bwd); <b>dead</b>: only in the jaxpr, dropped by lowering as "
+            "dead code, so it never runs and is not counted. Levels: J jaxpr, S StableHLO, H compiled HLO "
+            "(* asynchronous).</p>"]
     body += [_workload(w, i) for i, w in enumerate(workloads)]
     unmatched = doc.get("unmatched_kernel_names") or []
     if unmatched:

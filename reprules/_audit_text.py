@@ -65,8 +65,9 @@ def short_source(source: str) -> str:
     return f"{os.path.basename(path)}:{line}" if path else source
 
 
-def _count(report: Report, defensive: bool | None = None) -> str:
-    found = report.collectives if defensive is None else report.select(defensive=defensive)
+def _count(report: Report, defensive: bool | None = None, dead: bool = False) -> str:
+    """Count and bytes per step of the live collectives (``defensive``: of those), or of the dead ones."""
+    found = report.select(defensive=defensive, dead=dead)
     return f"{len(found)} ({sum(c.step_bytes for c in found)} B)"
 
 
@@ -83,7 +84,7 @@ def _error(value: float | None) -> str:
 def _collective_rows(report: Report) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = [("#", "kind", "over", "type", "bytes", "status", "levels", "source")]
     for i, c in enumerate(report.collectives, 1):
-        status = c.status + (f" ({','.join(c.replicated_axes)})" if c.defensive else "")
+        status = c.status_text(axes=True)
         levels = "".join(m if lvl in c.levels else "." for lvl, m in _LEVEL_MARKS)
         rows.append((str(i), c.kind + ("*" if c.is_async else ""), c.axes_text(), c.shape_text(),
                      str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), status, levels, short_source(c.source)))
@@ -132,6 +133,8 @@ def render_workload(entry: Mapping[str, Any]) -> list[str]:
         ("collectives", *(_count(reports[k]) for k in keys)),
         ("  defensive", *(_count(reports[k], True) for k in keys)),
         ("  needed", *(_count(reports[k], False) for k in keys)),
+        *([("  dead (not counted)", *(_count(reports[k], dead=True) for k in keys))]
+          if any(reports[k].dead for k in keys) else []),
         ("kernels with rules", *(_kernels(reports[k]) for k in keys)),
         ("max error vs reference", *(_error(entry[k]["max_error"]) for k in keys)),
     ]
@@ -150,11 +153,44 @@ def render_workload(entry: Mapping[str, Any]) -> list[str]:
         lines.append(f"   collectives, {LABELS[k]}:" + ("" if report.collectives else " none"))
         if report.collectives:
             lines += table(_collective_rows(report), "     ", right=(0, 4))
-    if any(c.defensive for k in keys for c in reports[k].collectives):
-        lines.append("   defensive (A): a transpose all-reduce summing over A, where its operand is replicated")
-    if any(c.folded for k in keys for c in reports[k].collectives):
-        lines.append("   levels: J jaxpr, S StableHLO, H compiled HLO; '.' under H: folded away by XLA")
     return lines + failure
+
+
+def legend(entries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What every column of the kernel and collective tables means, and each status found in them."""
+    from reprules._report import ADDED_MEANING, ADDED_TEXT
+
+    reports = [e[k]["report"] for e in entries for k in ("off", "on", "given") if k in e]
+    shown = [c for r in reports for c in r.collectives]
+    items = ["summary: per variant, the collectives' count (bytes per device per step), split by status "
+             "(below); kernels with rules: of the opaque kernels; max error vs reference: the largest "
+             "difference of the step's output from the unsharded reference (n/a: none given)"]
+    if any(r.kernels for r in reports):
+        items.append("kernels: kernel: the kernel function's name; primitive: how it is called "
+                     "(pallas_call, ffi_call...); calls: its calls in the step; rule: its replication rule "
+                     "(NO RULE: none); covered by: identity (a rule on the kernel, FFI target, primitive or "
+                     "pack), name (kernel_named), inference, or none; source: where it is defined")
+    if shown:
+        items.append("collectives: # row; kind (* asynchronous: a start/done pair, counted once); over: "
+                     "the mesh axes it runs over; type: per-device result; bytes: per device (xN: in a "
+                     "scan, runs N times per step); status: below; levels: where it is found, J jaxpr, "
+                     "S StableHLO, H compiled HLO ('.': not there); source: the user's line that made it "
+                     "('?': unknown)")
+        items.append("needed: the program needs it (its operand varies over the axes it runs over, or "
+                     "it was written explicitly)")
+    if any(c.defensive and not c.dead for c in shown):
+        items.append("defensive (A): a transpose all-reduce summing over A, where its operand is "
+                     "replicated: it moves bytes for nothing")
+    if any(c.status_text() == ADDED_TEXT for c in shown):
+        items.append(f"{ADDED_TEXT}: {ADDED_MEANING}")
+    if any(c.dead for c in shown):
+        items.append("dead: only in the jaxpr (levels J..): lowering dropped it as dead code (e.g. the "
+                     "all-reduce of a gradient nothing uses), so it never runs; not counted in the totals")
+    if any(c.folded for c in shown):
+        items.append("levels JS.: folded away by XLA in compiled HLO; counted, as the program has it")
+    if not reports:
+        return []
+    return ["", "legend:"] + [line for item in items for line in wrap(item, "  ")]
 
 
 def render_fixes(report: Report) -> list[str]:
@@ -183,4 +219,5 @@ def render(header: Sequence[str], entries: Sequence[Mapping[str, Any]], notes: S
         lines += render_fixes(fixes)
     for note in notes:
         lines += [""] + wrap(note, "")
+    lines += legend(entries)
     return "\n".join(clip(line) for line in lines)

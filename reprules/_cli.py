@@ -22,7 +22,9 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import shutil
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -32,8 +34,10 @@ from reprules import _audit_text
 DEFAULT_DEVICES = 8
 SCHEMA_VERSION = 1
 """Version of the ``--json`` document's layout; raised whenever a field changes meaning or goes away
-(new fields are added within a version: ``inference``, ``unmatched_kernel_names`` and each kernel's
-``covered_by`` and ``inference`` were added in version 1)."""
+(new fields are added within a version: ``inference``, ``unmatched_kernel_names``, each kernel's
+``covered_by`` and ``inference``, each collective's ``dead`` and ``added_by`` and each variant's
+``dead_count`` were added in version 1; ``count``, ``bytes`` and the ``defensive_*`` figures leave
+dead collectives out)."""
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
 EXIT_CODES = {
@@ -45,7 +49,16 @@ EXIT_CODES = {
                 "cannot be written",
     EXIT_ENVIRONMENT: "environment: unsupported JAX version, or JAX already started with too few devices",
 }
-_EXIT_HELP = "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES.items())
+HELP_WIDTH = 100  # --help fits these columns (fewer on a narrower terminal)
+_EXIT_HELP = "exit codes:\n" + "\n".join(
+    textwrap.fill(text, HELP_WIDTH - 2, initial_indent=f"  {code}  ", subsequent_indent="     ")
+    for code, text in EXIT_CODES.items())
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    """argparse's formatter with raw description and epilog (wrapped here), at most :data:`HELP_WIDTH` wide."""
+    width = min(shutil.get_terminal_size().columns, HELP_WIDTH) - 2  # argparse's own margin
+    return argparse.RawDescriptionHelpFormatter(prog, width=max(width, 40))
 
 
 class _Failure(Exception):
@@ -71,7 +84,7 @@ def version_text() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    raw = argparse.RawDescriptionHelpFormatter
+    raw = _formatter
     parser = argparse.ArgumentParser(
         prog="reprules", description="Replication rules for Pallas kernels inside jax.shard_map.",
         epilog=_EXIT_HELP, formatter_class=raw)
@@ -243,10 +256,11 @@ def _summary(v: dict[str, Any]) -> dict[str, Any]:
         "mesh": dict(report.mesh),
         "collectives": [c.to_dict() for c in report.collectives],
         "kernels": [_kernel_dict(k, c) for k, c in zip(report.kernels, v["coverage"])],
-        "count": len(report.collectives),
+        "count": len(report.select()),  # dead ones (only in the jaxpr: they never run) left out
         "bytes": report.bytes(),
         "defensive_count": len(report.defensive),
         "defensive_bytes": sum(c.step_bytes for c in report.defensive),
+        "dead_count": len(report.dead),
         "kernels_with_rules": sum(1 for k in report.kernels if k.has_rule),
         "kernels_total": len(report.kernels),
         "max_error": v["max_error"],

@@ -9,7 +9,7 @@ from typing import Any
 
 from reprules import _hlo
 from reprules._report import LEVELS, Collective, Kernel, Report
-from reprules._walk import Walk
+from reprules._walk import Walk, added_by
 
 
 def _text_axes(tc: _hlo.TextCollective, mesh: Mapping[str, int]) -> tuple[str, ...] | None:
@@ -55,7 +55,7 @@ def build_report(function: str, jax_version: str, walk: Walk, stablehlo: Sequenc
             axes=jc.axes, groups="", defensive=jc.defensive, replicated_axes=jc.replicated_axes,
             origin=jc.origin, primitive=jc.primitive, op_name=jc.op_name, source=jc.source,
             is_async=False, checked=jc.checked, kernels_without_rule=missing, lines=[],
-            executions=jc.executions))
+            executions=jc.executions, added_by=jc.added_by))
 
     entry: dict[str, Any] | None
     for level, found in (("stablehlo", stablehlo), ("hlo", hlo)):
@@ -85,7 +85,7 @@ def build_report(function: str, jax_version: str, walk: Walk, stablehlo: Sequenc
                     axes=axes, groups="" if axes is not None else _groups_text(tc.groups), defensive=False,
                     replicated_axes=(), origin="xla" if level == "hlo" else "program", primitive="",
                     op_name=_clean_op_name(tc.op_name), source=tc.source, is_async=tc.is_async, checked=None,
-                    kernels_without_rule=(), lines=[line]))
+                    kernels_without_rule=(), lines=[line], added_by=added_by(tc.op_name)))
             else:
                 entry["levels"].append(level)
                 entry["lines"].append(line)

@@ -177,8 +177,9 @@ def collectives() -> Callable[..., Any]:
 def no_all_reduce() -> Callable[..., Any]:
     """Call it as ``no_all_reduce(fn, *args, **kwargs)``; fails the test on any all-reduce.
 
-    Looks at the jaxpr, the lowered StableHLO and the compiled HLO, and fails
-    with the offending lines, their source, and the decorator to add when an
+    Looks at the jaxpr, the lowered StableHLO and the compiled HLO (a dead
+    all-reduce, only in the jaxpr, never runs and is ignored, as by
+    ``testing.assert_no_all_reduce``), and fails with the offending lines, their source, and the decorator to add when an
     opaque kernel without a rule is the cause. Returns the report otherwise.
     """
     from reprules import testing

@@ -17,6 +17,9 @@ from typing import Any
 from reprules import _hlo
 
 LEVELS = ("jaxpr", "stablehlo", "hlo")
+ADDED_TEXT = "added by reprules"
+ADDED_MEANING = ("needed: a psum reprules added to a custom_vjp bwd's cotangent, exact as it varies over the "
+                 "axes summed; source: that bwd")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,6 +102,17 @@ class Collective:
       lines: ``(level, text)`` of the matched StableHLO/HLO instructions.
       executions: How often it runs per step: the trip count of the ``scan``s
         around it (1 outside any; a ``while`` loop's count is unknown: 1).
+      added_by: ``"reprules"`` for a psum reprules added to a ``custom_vjp``
+        bwd's cotangent (or the transpose of a cast it added there): its
+        ``source`` is then that bwd's ``def`` line (for a bwd inside a library,
+        the user's call of the ``custom_vjp`` function); else ``""``.
+
+    A collective found only in the jaxpr is **dead** (:attr:`dead`): lowering
+    dropped it as dead code (e.g. the all-reduce of a gradient nothing uses),
+    so it never runs and moves no bytes. Reports show it as ``dead`` and leave
+    it out of every count, total and check, unless the jaxpr is the only level
+    asked for (``level="jaxpr"``, ``assert_no_all_reduce(levels=("jaxpr",))``)
+    or dead ones are asked for (``dead=True``).
     """
 
     kind: str
@@ -119,6 +133,7 @@ class Collective:
     kernels_without_rule: tuple[str, ...] = ()
     lines: tuple[tuple[str, str], ...] = ()
     executions: int = 1
+    added_by: str = ""
 
     @property
     def step_bytes(self) -> int:
@@ -126,14 +141,31 @@ class Collective:
         return self.bytes * self.executions
 
     @property
+    def dead(self) -> bool:
+        """Only in the jaxpr: dropped by lowering as dead code, so it never runs."""
+        return self.levels == ("jaxpr",)
+
+    @property
     def status(self) -> str:
-        """``"defensive"`` or ``"needed"``."""
+        """``"dead"`` (see :attr:`dead`), ``"defensive"`` or ``"needed"``."""
+        if self.dead:
+            return "dead"
         return "defensive" if self.defensive else "needed"
 
     @property
     def folded(self) -> bool:
         """In the jaxpr or StableHLO, but folded away by XLA in compiled HLO."""
         return "stablehlo" in self.levels and "hlo" not in self.levels
+
+    def status_text(self, axes: bool = False) -> str:
+        """The status as reports print it: ``dead``, ``defensive`` (with ``axes``:
+        ``defensive (A)``, the replicated axes summed over), :data:`ADDED_TEXT`
+        for a needed one reprules added, or ``needed``."""
+        if self.dead:
+            return "dead"
+        if self.defensive:
+            return f"defensive ({','.join(self.replicated_axes)})" if axes else "defensive"
+        return ADDED_TEXT if self.added_by == "reprules" else "needed"
 
     def axes_text(self) -> str:
         if self.axes is None:
@@ -149,15 +181,16 @@ class Collective:
         levels = "+".join(self.levels)
         extra = f" (operand replicated over {','.join(self.replicated_axes)})" if self.defensive else ""
         folded = ""
-        if self.levels == ("jaxpr",):
-            folded = "; not lowered: dead code or a deduplicated call"
+        if self.dead:
+            folded = "; dead: not lowered, never runs"
         elif self.folded:
             folded = "; folded by XLA in compiled HLO"
         name = f" {self.primitive}" if self.primitive else ""
+        added = f" added by {self.added_by}" if self.added_by else ""
         return (
             f"{self.kind} over {self.axes_text()}: {self.shape_text()}, {self.bytes} B"
             f"{f' x{self.executions}' if self.executions > 1 else ''}, "
-            f"{self.status}{extra}{name} [{levels}{folded}] op_name={self.op_name or '?'} at {where}"
+            f"{self.status}{extra}{name}{added} [{levels}{folded}] op_name={self.op_name or '?'} at {where}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,12 +198,18 @@ class Collective:
         d["shapes"] = [list(s) for s in self.shapes]
         d["lines"] = [list(x) for x in self.lines]
         d["status"] = self.status
+        d["dead"] = self.dead
         d["folded"] = self.folded
         d["step_bytes"] = self.step_bytes
         return d
 
 
-def _matches(c: Collective, kind: str | None, axes: Any, level: str | None, defensive: bool | None) -> bool:
+def _matches(c: Collective, kind: str | None, axes: Any, level: str | None, defensive: bool | None,
+             dead: bool | None) -> bool:
+    if dead is None:  # dead ones count only where the jaxpr is the level asked for
+        dead = None if level == "jaxpr" else False
+    if dead is not None and c.dead != dead:
+        return False
     if kind is not None and c.kind != kind:
         return False
     if axes is not None:
@@ -203,7 +242,8 @@ class Report:
     kernels: tuple[Kernel, ...] = ()
 
     def select(self, kind: str | None = None, *, axes: str | Iterable[str] | None = None,
-               level: str | None = None, defensive: bool | None = None) -> tuple[Collective, ...]:
+               level: str | None = None, defensive: bool | None = None,
+               dead: bool | None = None) -> tuple[Collective, ...]:
         """The collectives matching every given filter.
 
         Args:
@@ -211,24 +251,32 @@ class Report:
           axes: A mesh axis name or names (exact set).
           level: ``"jaxpr"``, ``"stablehlo"`` or ``"hlo"``.
           defensive: Only defensive (``True``) or needed (``False``) ones.
+          dead: Only dead ones (``True``), only live ones (``False``). By
+            default dead ones (see :class:`Collective`) are left out, unless
+            ``level="jaxpr"``: they never run.
         """
         if kind is not None and kind not in _hlo.KINDS:
             raise ValueError(f"unknown collective kind {kind!r}; expected one of {_hlo.KINDS}")
         if level is not None and level not in LEVELS:
             raise ValueError(f"unknown level {level!r}; expected one of {LEVELS}")
-        return tuple(c for c in self.collectives if _matches(c, kind, axes, level, defensive))
+        return tuple(c for c in self.collectives if _matches(c, kind, axes, level, defensive, dead))
 
     def count(self, kind: str | None = None, **filters: Any) -> int:
-        """How many collectives match (see :meth:`select`)."""
+        """How many collectives match (see :meth:`select`; dead ones are left out by default)."""
         return len(self.select(kind, **filters))
 
     def bytes(self, kind: str | None = None, **filters: Any) -> int:
-        """Per-device bytes of the matching collectives, per step."""
+        """Per-device bytes of the matching collectives, per step (see :meth:`select`)."""
         return sum(c.step_bytes for c in self.select(kind, **filters))
 
     @property
     def defensive(self) -> tuple[Collective, ...]:
         return self.select(defensive=True)
+
+    @property
+    def dead(self) -> tuple[Collective, ...]:
+        """The collectives only in the jaxpr: dropped by lowering, they never run."""
+        return self.select(dead=True)
 
     @property
     def kernels_without_rule(self) -> tuple[Kernel, ...]:
@@ -242,18 +290,21 @@ class Report:
         for i, c in enumerate(self.collectives):
             marks = " ".join("x" if lvl in c.levels else "." for lvl in LEVELS)
             rows.append((str(i), c.kind + ("*" if c.is_async else ""), c.axes_text(), c.shape_text(),
-                         str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), c.status, marks, c.primitive or c.origin, _short(c.source)))
+                         str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), c.status_text(), marks, c.primitive or c.origin, _short(c.source)))
         widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
         lines = [head]
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         if not self.collectives:
             lines.append("  (no collectives)")
-        total = sum(c.step_bytes for c in self.collectives)
-        d = self.defensive
-        lines.append(f"  total: {len(self.collectives)} collectives, {total} B per step; "
-                     f"{len(d)} defensive ({sum(c.step_bytes for c in d)} B)")
-        if any(c.folded for c in self.collectives):
-            lines.append("  (J S H = jaxpr, StableHLO, compiled HLO; '.' under H: folded away by XLA)")
+        live, d, dead = self.select(), self.defensive, self.dead
+        lines.append(f"  total: {len(live)} collectives, {self.bytes()} B per step; "
+                     f"{len(d)} defensive ({sum(c.step_bytes for c in d)} B)"
+                     + (f"; {len(dead)} dead (not counted)" if dead else ""))
+        if dead or any(c.folded for c in self.collectives):
+            lines.append("  (J S H = jaxpr, StableHLO, compiled HLO; '.' under H: folded away by XLA; "
+                         "dead: only in the jaxpr, never runs)")
+        if any(c.status_text() == ADDED_TEXT for c in self.collectives):
+            lines.append(f"  ({ADDED_TEXT}: {ADDED_MEANING})")
         for k in self.kernels:
             lines.append(f"  kernel {k.name} ({k.primitive} x{k.count}): {k.status()}; {_short(k.source)}")
         return "\n".join(lines)
@@ -269,8 +320,9 @@ class Report:
             "collectives": [c.to_dict() for c in self.collectives],
             "kernels": [k.to_dict() for k in self.kernels],
             "summary": {
-                "count": len(self.collectives),
+                "count": len(self.select()),
                 "bytes": self.bytes(),
+                "dead_count": len(self.dead),
                 "defensive_count": len(self.defensive),
                 "defensive_bytes": sum(c.step_bytes for c in self.defensive),
                 "by_kind": {k: {"count": self.count(k), "bytes": self.bytes(k)}

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from reprules._report import Kernel
+from reprules._shim._source import ADDED_SCOPE
 
 _KIND_OF_PRIMITIVE = {
     "psum": "all-reduce",
@@ -73,6 +75,7 @@ class _JaxprCollective:
     checked: bool | None
     shard_map_id: int | None
     executions: int = 1
+    added_by: str = ""
 
 
 @dataclasses.dataclass(slots=True)
@@ -424,14 +427,21 @@ def _record_collective(eqn: Any, name: str, axes: tuple[str, ...], ins: list[fro
     replicated: tuple[str, ...] = ()
     if name in _SUMS and ctx.shard_map_id is not None:
         replicated = tuple(a for a in axes if a in ctx.manual and a not in union)
-    origin = "autodiff" if "transpose(" in path else "program"
-    defensive = bool(replicated) and origin == "autodiff"
     op_name = f"{path}/{name}" if path else name
+    added = added_by(op_name)
+    origin = "autodiff" if "transpose(" in path or added else "program"  # reprules adds in a bwd
+    defensive = bool(replicated) and origin == "autodiff"
     state.collectives.append(_JaxprCollective(
         kind=kind, primitive=name, axes=axes, dtype=dtype, shapes=shapes, bytes=nbytes,
         replicated_axes=replicated, defensive=defensive, origin=origin, op_name=op_name,
         source=_user_source(eqn.source_info), checked=ctx.checked, shard_map_id=ctx.shard_map_id,
-        executions=ctx.executions))
+        executions=ctx.executions, added_by=added))
+
+
+def added_by(op_name: str) -> str:
+    """``"reprules"`` for a collective reprules added to a ``custom_vjp`` bwd (its
+    name stack has ``_source.ADDED_SCOPE``, in the jaxpr and in XLA's op_name), else ``""``."""
+    return "reprules" if re.search(rf"(^|[/(]){ADDED_SCOPE}([/)]|$)", op_name) else ""
 
 
 def _record_kernel(eqn: Any, ctx: _Ctx, state: Walk) -> None:

@@ -99,10 +99,11 @@ def assert_no_all_reduce(fn: Callable[..., Any], *args: Any, levels: Iterable[st
       fn: The function to check (traced, lowered and compiled, not run).
       *args: Example arguments.
       levels: Levels to look at; all three by default, so an all-reduce that
-        XLA folded away on CPU is still caught in the jaxpr and StableHLO. An
-        all-reduce found *only* in the jaxpr (dead code that lowering dropped,
-        e.g. the unused gradient of a replicated custom_vjp input) never runs
-        and is ignored unless ``levels=("jaxpr",)``.
+        XLA folded away on CPU is still caught in the jaxpr and StableHLO. A
+        *dead* all-reduce (only in the jaxpr: dead code that lowering dropped,
+        e.g. the unused gradient of a replicated custom_vjp input; see
+        :attr:`Collective.dead`) never runs and is ignored, as in every count
+        of the report, unless ``levels=("jaxpr",)``.
       axes: Only all-reduces over exactly these mesh axes count.
       **kwargs: Passed to ``fn``.
 
@@ -116,8 +117,10 @@ def assert_no_all_reduce(fn: Callable[..., Any], *args: Any, levels: Iterable[st
     """
     levels = _check_levels(levels)
     report = collectives(fn, *args, **kwargs)
-    bad = [c for c in report.select("all-reduce", axes=axes)
-           if set(c.levels) & set(levels) and (tuple(c.levels) != ("jaxpr",) or levels == ("jaxpr",))]
+    # Dead ones (only in the jaxpr) count only where the jaxpr alone is checked, as in report.count.
+    only_jaxpr = levels == ("jaxpr",)
+    bad = [c for c in report.select("all-reduce", axes=axes, level="jaxpr" if only_jaxpr else None)
+           if set(c.levels) & set(levels)]
     if bad:
         over = f" over {_axes_text(axes)}" if axes is not None else ""
         raise CollectivesAssertionError(
@@ -140,7 +143,8 @@ def assert_collectives(fn: Callable[..., Any], *args: Any, expect: Mapping[Expec
         mapping with ``"count"`` and/or ``"bytes"`` (per-device bytes per
         step).
       level: Count only collectives present at this level (``"jaxpr"``,
-        ``"stablehlo"``, ``"hlo"``); by default, present at any level.
+        ``"stablehlo"``, ``"hlo"``); by default, present at any level. Dead
+        ones (only in the jaxpr, never run) count only with ``level="jaxpr"``.
       exact: Kinds not named in ``expect`` must be absent.
       **kwargs: Passed to ``fn``.
 
@@ -325,7 +329,12 @@ def _offending(found: Iterable[Collective]) -> str:
 
 def _why_and_fix(found: Iterable[Collective], report: Report) -> str:
     found = list(found)
-    defensive = [c for c in found if c.defensive]
+    if found and all(c.dead for c in found):
+        return ("Why: these are dead: only in the jaxpr, dropped by lowering as dead code (e.g. the "
+                "all-reduce of a gradient nothing uses), so they never run.\n"
+                "Fix: check only the levels that run (the default levels ignore dead collectives), or "
+                "stop computing the unused value.\n")
+    defensive = [c for c in found if c.defensive and not c.dead]
     named = {n for c in defensive for n in c.kernels_without_rule}
     culprits = [k for k in report.kernels_without_rule if k.name in named]  # same-named ones too
     if culprits:

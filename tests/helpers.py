@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -156,3 +157,46 @@ class custom_vjp3:
 
 VARYING_OVER_DATA = r"\{(V:)?data\}"
 """How a jaxpr prints a type varying over ``data``: ``{V:data}``, ``{data}`` on JAX 0.7."""
+
+
+# A `reprules audit` target (module text): a Pallas kernel in a custom_vjp whose bwd's cotangent for
+# the replicated w varies over `data` (reprules psums it, JAX <= 0.5 does); `only_x` leaves w's
+# gradient unused, so that all-reduce is dead code.
+BWD_STEPS = textwrap.dedent('''
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.experimental import pallas as pl
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import reprules
+    from reprules.testing import shard_map
+
+    def scale_kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = x_ref[...] * w_ref[...]
+
+    def _scale(x, w):
+        return pl.pallas_call(scale_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x, w)
+
+    @jax.custom_vjp
+    def scaled(x, w):
+        return _scale(x, w)
+
+    def scaled_bwd(res, g):
+        x, w = res
+        return _scale(g, w), _scale(g, x).sum(0, keepdims=True)
+
+    scaled.defvjp(lambda x, w: (_scale(x, w), (x, w)), scaled_bwd)
+
+    def _step(check, argnums):
+        if check:
+            reprules.replication_rule()(scale_kernel)
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+        x = jax.device_put(jnp.ones((8, 128)), NamedSharding(mesh, P("data", None)))
+        w = jax.device_put(jnp.ones((1, 128)), NamedSharding(mesh, P()))
+        f = shard_map(scaled, mesh, (P("data", None), P()), P("data", None), check=check)
+        return jax.grad(lambda x, w: (f(x, w) * jnp.arange(128.0)).sum(), argnums=argnums), (x, w)
+
+    def both(check=True):
+        return _step(check, (0, 1))
+
+    def only_x(check=True):  # w's gradient is not used: its all-reduce is dead code
+        return _step(check, 0)
+''')

@@ -23,6 +23,7 @@ import re
 import select
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -327,3 +328,58 @@ def test_screenshot(rendered, browser, tmp_path):
     assert (width, height) == (1280, 1500)
     if os.environ.get("REPRULES_UPDATE_SCREENSHOT") == "1":
         SCREENSHOT.write_bytes(png)
+
+
+@pytest.fixture
+def bwd_steps(tmp_path, monkeypatch):
+    from helpers import BWD_STEPS
+
+    (tmp_path / "bwd_steps.py").write_text(BWD_STEPS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("bwd_steps", None)
+
+
+ROWS = r"""
+(() => {
+  const text = e => e.innerText.replace(/\s+/g, ' ').trim();
+  return {
+    summary: [...document.querySelectorAll('table.summary tr')].map(r => [...r.cells].map(text)),
+    collectives: [...document.querySelectorAll('table.collectives')].map(t => [...t.querySelectorAll('tr.collective')]
+      .map(r => [...r.cells].map(text))),
+  };
+})()
+"""
+
+
+def test_dead_and_reprules_added_collectives_are_shown_as_such(bwd_steps, browser):
+    from helpers import NEW_SHARD_MAP
+
+    seen = {}
+    for step in ("both", "only_x"):
+        page = bwd_steps / f"{step}.html"
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert _cli.main(["audit", f"bwd_steps:{step}", "--json", "--quiet", "--html", str(page)]) == 0
+        doc = json.loads(out.getvalue())
+        browser.open(page.resolve().as_uri())
+        seen[step] = (doc["workloads"][0]["on"], browser.evaluate(ROWS))
+    on, got = seen["only_x"]
+    (dead,) = [c for c in on["collectives"] if c["dead"]]
+    row = got["collectives"][-1][on["collectives"].index(dead)]  # the reprules side's table
+    assert row[5] == "dead only in the jaxpr: dropped by lowering, never runs; not counted", row
+    assert row[6] == "J . . dead code, not lowered", row
+    assert ["dead (not counted)", "0", "1"] in got["summary"], got["summary"]
+    needed = next(r for r in got["summary"] if r[0] == "needed")
+    assert needed[2] == f"{on['count'] - on['defensive_count']} ({on['bytes'] - on['defensive_bytes']:,} B)"
+    on, got = seen["both"]
+    (psum,) = [c for c in on["collectives"] if c["axes"] == ["data"]]
+    row = got["collectives"][-1][on["collectives"].index(psum)]
+    if NEW_SHARD_MAP:  # reprules adds it; JAX <= 0.5 psums the cotangent itself
+        assert row[5] == "needed added by reprules to a custom_vjp bwd's cotangent", row
+        bwd_line = (bwd_steps / "bwd_steps.py").read_text().splitlines().index("def scaled_bwd(res, g):") + 1
+        assert row[8] == f"bwd_steps.py:{bwd_line}" and psum["source"].endswith(row[8]), (row, psum)
+    else:
+        assert row[5] == "needed", row
+    assert "custom_vjp.py" not in " ".join(" ".join(r) for t in got["collectives"] for r in t)

@@ -9,6 +9,7 @@ import textwrap
 
 import jax
 import pytest
+from helpers import BWD_STEPS, NEW_SHARD_MAP
 
 import reprules
 from reprules import _audit_text, _cli
@@ -159,7 +160,11 @@ def test_default_audit_side_by_side(capsys):
                      issue)
     assert "collectives, reprules (checking on): none" in issue
     ln = _block(out, "layer_norm")
-    assert re.search(r"all-reduce +data +f32\[128\] +512 +needed", ln)
+    # JAX >= 0.6: reprules psums the bwd's cotangents, named by JAX's layer_norm bwd; before, JAX does.
+    status = "added by reprules +JSH +layer_norm.py:" if NEW_SHARD_MAP else r"needed +JSH +(?!custom_vjp)\S+\.py:"
+    assert re.search(rf"all-reduce +data +f32\[128\] +512 +{status}\d+\n", ln), ln
+    mlp = _block(out, "tp_mlp").split("collectives, reprules (checking on):")[1]
+    assert "custom_vjp" not in mlp and "?" not in mlp.split("legend:")[0], mlp  # never the shim, never unknown
 
 
 def test_default_audit_json(capsys):
@@ -397,14 +402,19 @@ def test_version_from_the_console_imports_no_jax():
     assert out.splitlines()[-1] == "0 False"
 
 
+@pytest.mark.parametrize("columns", ["200", "100", "60"])
 @pytest.mark.parametrize("argv", [["--help"], ["audit", "--help"]])
-def test_help_lists_the_exit_codes(argv, capsys):
+def test_help_lists_the_exit_codes(argv, columns, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", columns)  # argparse sizes help to the terminal: at most 100 columns here
     with pytest.raises(SystemExit):
         _cli.main(argv)
     out = capsys.readouterr().out
     assert "exit codes:" in out
+    widest = max(map(len, out.splitlines()))
+    assert widest <= _cli.HELP_WIDTH, [line for line in out.splitlines() if len(line) > _cli.HELP_WIDTH]
+    flat = " ".join(out.split())  # wrapped, never cut: every word of every exit code's text is there
     for code, text in _cli.EXIT_CODES.items():
-        assert f"  {code}  {text}" in out
+        assert f" {code} {text}" in flat
 
 
 def test_no_command_prints_help(capsys):
@@ -427,3 +437,74 @@ def test_text_helpers_fit_the_width():
     assert _audit_text.clip_left("/very/long/path/" * 10 + "file.py:3", 30).endswith("file.py:3")
     rows = [("a" * 60, "b" * 60, "c")] * 2
     assert all(len(line) <= 100 for line in _audit_text.table(rows, "   "))
+
+
+
+
+@pytest.fixture
+def bwd_steps(tmp_path, monkeypatch):
+    (tmp_path / "bwd_steps.py").write_text(BWD_STEPS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield str(tmp_path / "bwd_steps.py")
+    sys.modules.pop("bwd_steps", None)
+
+
+def _rows(block, header):
+    """The rows of the table under ``header`` in an audit block, split on 2+ spaces."""
+    lines = block[block.index(header):].splitlines()[2:]
+    return [re.split(r"  +", line.strip()) for line in lines if re.match(r" +\d+  ", line)]
+
+
+def test_audit_names_the_bwd_for_the_psum_reprules_adds(bwd_steps, capsys):
+    assert _cli.main(["audit", "bwd_steps:both", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    _lines_fit(out)
+    rows = _rows(out, "collectives, reprules (checking on):")
+    (row,) = [r for r in rows if r[2] == "data"]  # w's cotangent, summed over data
+    bwd_line = BWD_STEPS.splitlines().index("def scaled_bwd(res, g):") + 1
+    assert "custom_vjp" not in out.split("legend:")[0].replace("jax.custom_vjp", "")  # no shim file named
+    if NEW_SHARD_MAP:  # reprules adds it (JAX <= 0.5 psums the cotangent itself)
+        assert row[5:] == ["added by reprules", "JSH", f"bwd_steps.py:{bwd_line}"], row
+        assert "added by reprules: needed: a psum reprules added to a custom_vjp bwd's cotangent" in \
+            " ".join(out.split())
+    assert _cli.main(["audit", "bwd_steps:both", "--quiet", "--json"]) == 0
+    on = json.loads(capsys.readouterr().out)["workloads"][0]["on"]
+    (c,) = [c for c in on["collectives"] if c["axes"] == ["data"]]
+    assert c["dead"] is False and c["added_by"] == ("reprules" if NEW_SHARD_MAP else "")
+    if NEW_SHARD_MAP:
+        assert c["source"] == f"{bwd_steps}:{bwd_line}"
+
+
+def test_audit_dead_all_reduce_is_dead_in_text_json_and_counts(bwd_steps, capsys):
+    assert _cli.main(["audit", "bwd_steps:only_x", "--quiet", "--strict"]) == 0
+    out = capsys.readouterr().out
+    _lines_fit(out)
+    (row,) = [r for r in _rows(out, "collectives, reprules (checking on):") if r[2] == "data"]
+    assert row[5:7] == ["dead", "J.."] and row[7] != "?", row
+    assert re.search(r"\n +collectives +\d+ \(\d+ B\) +0 \(0 B\)\n", out), out  # not counted as needed
+    assert re.search(r"\n +needed +\d+ \(\d+ B\) +0 \(0 B\)\n", out), out
+    assert re.search(r"\n +dead \(not counted\) +0 \(0 B\) +1 \(512 B\)\n", out), out
+    assert "dead: only in the jaxpr (levels J..): lowering dropped it as dead code" in " ".join(out.split())
+    assert _cli.main(["audit", "bwd_steps:only_x", "--quiet", "--json"]) == 0
+    on = json.loads(capsys.readouterr().out)["workloads"][0]["on"]
+    dead = [c for c in on["collectives"] if c["dead"]]
+    assert len(dead) == 1 and dead[0]["status"] == "dead" and dead[0]["levels"] == ["jaxpr"]
+    assert (on["count"], on["dead_count"], on["bytes"]) == (len(on["collectives"]) - 1, 1, 0)
+
+
+def test_text_legend_explains_every_column(bwd_steps, capsys):
+    assert _cli.main(["audit", "bwd_steps:both", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    body, legend = out.split("\nlegend:\n")
+    legend = " ".join(legend.split())
+    headers = [line.strip() for line in body.splitlines() if line.strip().startswith(("#  kind", "kernel  "))]
+    assert len(headers) >= 3, body  # kernels, collectives off, collectives on
+    columns = {c for h in headers for c in re.split(r"  +", h)}
+    assert {"levels", "source", "status", "covered by"} <= columns
+    for column in columns:
+        assert re.search(rf"(^|[;:] ){re.escape(column)}[:( ]", legend), (column, legend)
+    statuses = {r[5] for r in _rows(body, "collectives, checking off:") + _rows(body, "collectives, reprules")}
+    assert len(statuses) == 2 and any(s.startswith("defensive (") for s in statuses), statuses
+    for status in statuses:
+        assert re.search(rf"(^| ){re.escape(status.split(' (')[0])}( \([A-Z]\))?: ", legend), (status, legend)

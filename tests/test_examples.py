@@ -148,6 +148,7 @@ def test_benchmark_smoke(tmp_path):
                "--lower-repeats", "1", "--lower-inner", "1", "--import-repeats", "1", "--heavy-lower-repeats", "1",
                "--workloads", "activation,tp_mlp,layer_norm,transformer", "--layers", "1", "--out", out_json])
     assert "collectives per step" in out and "targets (reported, not asserted)" in out, out
+    assert max(map(len, out.splitlines())) <= 100, [line for line in out.splitlines() if len(line) > 100]
     results = json.loads(out_json.read_text())
     assert results["jax"] == jax.__version__ and results["devices"] == 8
     work = results["workloads"]
@@ -184,3 +185,26 @@ def test_benchmark_smoke(tmp_path):
     if JAX_VERSION >= (0, 6) and HAS_FFI:  # the FFI call site can be annotated by hand from 0.6
         assert "hand" in work["activation"]["variants"], work["activation"]["unavailable"]
     assert results["import"]["reprules_on_top_of_jax_s"]["n"] == 1
+
+
+def test_benchmark_wraps_long_lines_and_never_cuts_an_error(capsys):
+    """The benchmark's report fits 100 columns; an error is wrapped whole, never cut mid-sentence."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reprules_bench", ROOT / "examples" / "benchmarks" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(bench)  # its fake_cpu_devices(8) matches the tests' devices
+    finally:
+        sys.modules.pop(spec.name, None)
+    err = ValueError("Custom VJP bwd rule must produce an output " * 12 + "of the right type.\nWhy: END.\nthird")
+    text = bench.first_lines(err)
+    assert text.endswith("Why: END.") and "third" not in text, text  # what and why, whole
+    bench.say(f"  {'activation':18}{'inference':10}n/a: inference failed: {text}", hang=" " * 28)
+    bench.row(f"  {'tp_mlp':18}{'reprules':10}" + "9" * 60, "  (4 in the program)  (512 B added by XLA)")
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= bench.WIDTH == 100, out
+    assert " ".join(out.split()).startswith(f"activation inference n/a: inference failed: {text}"), out
+    assert out.rstrip().endswith("(4 in the program) (512 B added by XLA)") or \
+        " ".join(out.split()).endswith("(4 in the program) (512 B added by XLA)"), out

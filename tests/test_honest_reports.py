@@ -174,3 +174,86 @@ def test_strict_exempts_jax_higher_order_primitives_whose_bodies_drop_axes():
     expected = f(x)
     with reprules.strict():
         assert max_err(f(x), expected) == 0.0
+
+
+# --- (d) reports name the user's code; dead collectives are dead everywhere -------
+def scale_kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...] * w_ref[...]
+
+
+def _scale(x, w):
+    return pl.pallas_call(scale_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x, w)
+
+
+@jax.custom_vjp
+def scaled(x, w):
+    return _scale(x, w)
+
+
+def scaled_bwd(res, g):
+    # w is replicated, its cotangent varies over `data`: reprules psums it (JAX >= 0.6; JAX <= 0.5 does).
+    x, w = res
+    return _scale(g, w), _scale(g, x).sum(0, keepdims=True)
+
+
+scaled.defvjp(lambda x, w: (_scale(x, w), (x, w)), scaled_bwd)
+BWD_SOURCE = f"{scaled_bwd.__code__.co_filename}:{scaled_bwd.__code__.co_firstlineno}"
+
+
+def _scaled_grad(argnums):
+    reprules.replication_rule()(scale_kernel)
+    mesh = make_mesh()
+    x, w = put(randn(0, (8, 128)), mesh, P("data", None)), put(randn(1, (1, 128)), mesh, P())
+    t = randn(2, (8, 128))
+    f = shard_map(scaled, mesh, (P("data", None), P()), P("data", None))
+    return jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=argnums), (x, w)
+
+
+def _in_shim(source):
+    return "reprules/_shim/" in source.replace("\\", "/")
+
+
+def test_psum_reprules_adds_in_a_bwd_names_the_bwd():
+    grad, args = _scaled_grad((0, 1))
+    report = testing.collectives(grad, *args)
+    (psum,) = report.select("all-reduce", axes="data")  # w's cotangent, summed over data
+    assert "hlo" in psum.levels and not psum.dead, psum.describe()
+    assert not any(_in_shim(c.source) for c in report.collectives), report.table()
+    if not NEW_SHARD_MAP:  # JAX <= 0.5 psums the cotangent itself (check_rep): not reprules'
+        assert psum.added_by == "" and "reprules_added" not in psum.op_name
+        return
+    assert psum.added_by == "reprules" and "reprules_added" in psum.op_name, psum.describe()
+    assert psum.source == BWD_SOURCE, (psum.source, BWD_SOURCE)  # the bwd's def line, at every level
+    assert psum.status == "needed" and psum.status_text() == "added by reprules"
+    assert "added by reprules [" in psum.describe() and psum.describe().endswith(f"at {BWD_SOURCE}")
+    assert "added by reprules: needed" in report.table()
+    assert psum.to_dict()["added_by"] == "reprules" and psum.to_dict()["dead"] is False
+
+
+def test_dead_all_reduce_is_dead_in_every_count_and_check():
+    # Only x's gradient is asked for: w's cotangent psum is traced, then dropped as dead code.
+    grad, args = _scaled_grad(0)
+    report = testing.collectives(grad, *args)
+    (dead,) = report.select("all-reduce", dead=True)
+    assert dead.levels == ("jaxpr",) and dead.dead and dead.status == "dead", dead.describe()
+    assert "dead: not lowered, never runs" in dead.describe()
+    if NEW_SHARD_MAP:
+        assert dead.source == BWD_SOURCE, dead.source  # reprules' psum: named by the user's bwd
+    assert not _in_shim(dead.source) and dead.source, dead.describe()
+    live = [c for c in report.collectives if c.levels != ("jaxpr",)]
+    assert report.count() == len(live) and report.bytes() == sum(c.step_bytes for c in live)
+    assert dead not in report.select("all-reduce") and dead not in report.defensive
+    assert dead in report.select("all-reduce", level="jaxpr") and report.dead == (dead,)
+    summary = report.to_dict()["summary"]
+    assert (summary["count"], summary["dead_count"]) == (len(live), 1)
+    assert report.to_dict()["collectives"][report.collectives.index(dead)]["dead"] is True
+    assert "1 dead (not counted)" in report.table()
+    # assert_no_all_reduce: ignored at the default levels, found where the jaxpr alone is checked.
+    if not report.count("all-reduce"):
+        testing.assert_no_all_reduce(grad, *args)
+    with pytest.raises(testing.CollectivesAssertionError, match=r"all-reduce .*: .*, dead .*\[jaxpr; dead: not "
+                       r"lowered, never runs\]"):
+        testing.assert_no_all_reduce(grad, *args, levels=("jaxpr",), axes=dead.axes)
+    with pytest.raises(testing.CollectivesAssertionError, match=r"(?s)Why: .*dead.* never run.*\nFix: "):
+        testing.assert_no_all_reduce(grad, *args, levels=("jaxpr",), axes=dead.axes)
+    testing.assert_collectives(grad, *args, expect={"all-reduce": report.count("all-reduce")}, exact=False)

@@ -74,8 +74,10 @@ import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import textwrap  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
@@ -416,7 +418,7 @@ def collective_summary(report: Any, repeat: Callable[[Any], int] | None) -> dict
     """Counts and bytes per step: as compiled (``static``) and as executed (scan bodies x L);
     collectives only in the jaxpr (dead code XLA never sees) are left out."""
     times = repeat or (lambda c: 1)
-    cs = [c for c in report.collectives if c.levels != ("jaxpr",)]  # never lowered: dead code, not run
+    cs = [c for c in report.collectives if not c.dead]  # only in the jaxpr: dead code, never run
     executed = {
         "count": sum(times(c) for c in cs), "bytes": sum(c.bytes * times(c) for c in cs),
         "defensive_count": sum(times(c) for c in cs if c.defensive),
@@ -469,8 +471,28 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> dict[str, float]
 
 
 def first_lines(err: BaseException, n: int = 2) -> str:
+    """The error's first ``n`` lines (what happened and why), whole: the report wraps them."""
     text = " ".join([line.strip() for line in str(err).splitlines() if line.strip()][:n])
-    return f"{type(err).__name__}: {text[:400]}"
+    return f"{type(err).__name__}: {text}"
+
+
+WIDTH = 100  # every line of the printed report fits these columns
+
+
+def say(text: str, indent: str = "", hang: str = "    ", file: Any = None) -> None:
+    """Prints ``text`` wrapped to :data:`WIDTH` columns (never cut), continuation lines indented by ``hang``."""
+    for line in text.split("\n"):
+        print(textwrap.fill(line, WIDTH, initial_indent=indent, subsequent_indent=indent + hang,
+                            break_long_words=False, break_on_hyphens=False) or line, file=file)
+
+
+def row(base: str, extra: str) -> None:
+    """A table row, and its note after it where both fit, else on the lines below."""
+    if len(base) + len(extra) <= WIDTH:
+        print(base + extra)
+    else:
+        print(base)
+        say(extra.strip(), indent=" " * 20, hang="  ")
 
 
 @contextlib.contextmanager
@@ -680,36 +702,36 @@ def targets_summary(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def print_report(results: dict[str, Any]) -> None:
     cfg = results["config"]
-    print(f"reprules benchmark: JAX {results['jax']} ({results['regime']} regime), {results['devices']} CPU "
-          f"devices, mesh {MESH_SHAPE} {MESH_AXES}")
+    say(f"reprules benchmark: JAX {results['jax']} ({results['regime']} regime), {results['devices']} CPU "
+        f"devices, mesh {MESH_SHAPE} {MESH_AXES}")
     load = ", ".join(f"{a:.1f}" for a in results["load_average_before"][:1] + results["load_average_after"][:1])
-    print(f"{os.cpu_count()} CPU cores; 1-minute load average before, after: {load} (other processes skew timings)")
-    print(f"step time: {cfg['repeats']} paired rounds after {cfg['warmup']} warm-up runs, variants interleaved; "
-          f"trace+lower: {cfg['lower_repeats']} rounds, best of {cfg['lower_inner']} "
-          f"(transformers: {cfg['heavy_lower_repeats']} rounds, best of 1), each after an untimed one, "
-          f"over {STACK_OFFSETS} stack depths")
-    print("ratios: median [p25, p75] of the per-round ratios")
-    print("\ncollectives per step (per-device bytes, any level; a scan body's collectives counted once per layer)")
+    say(f"{os.cpu_count()} CPU cores; 1-minute load average before, after: {load} (other processes skew timings)")
+    say(f"step time: {cfg['repeats']} paired rounds after {cfg['warmup']} warm-up runs, variants interleaved; "
+        f"trace+lower: {cfg['lower_repeats']} rounds, best of {cfg['lower_inner']} "
+        f"(transformers: {cfg['heavy_lower_repeats']} rounds, best of 1), each after an untimed one, "
+        f"over {STACK_OFFSETS} stack depths")
+    say("ratios: median [p25, p75] of the per-round ratios")
+    say("\ncollectives per step (per-device bytes, any level; a scan body's collectives counted once per "
+        "layer; formula: reprules._scale's off total, off defensive and needed bytes)")
     print(f"  {'workload':18}{'variant':10}{'count':>6}{'bytes':>10}{'defensive B':>13}{'needed B':>10}"
           f"{'minimum B':>11}")
     for name, r in results["workloads"].items():
         if "skipped" in r:
-            print(f"  {name:18}skipped: {r['skipped']}")
+            say(f"  {name:18}skipped: {r['skipped']}", hang=" " * 20)
             continue
         for v in VARIANTS:
             c = r["collectives"].get(v)
             if c is None:
-                print(f"  {name:18}{v:10}n/a: {r['unavailable'].get(v, '')[:300]}")
+                say(f"  {name:18}{v:10}n/a: {r['unavailable'].get(v, '')}", hang=" " * 28)
                 continue
             static = "" if c["static"]["count"] == c["count"] else f"  ({c['static']['count']} in the program)"
             added = c.get("compiler_added_bytes", 0)
             added = f"  ({added} B added by XLA)" if added else ""
-            print(f"  {name:18}{v:10}{c['count']:>6}{c['bytes']:>10}{c['defensive_bytes']:>13}{c['needed_bytes']:>10}"
-                  f"{r['minimum_needed_bytes']:>11}{static}{added}")
+            row(f"  {name:18}{v:10}{c['count']:>6}{c['bytes']:>10}{c['defensive_bytes']:>13}{c['needed_bytes']:>10}"
+                f"{r['minimum_needed_bytes']:>11}", f"{static}{added}")
         e = r.get("expected")
         if e:
-            print(f"  {name:18}{'formula':10}{'':>6}{e['off']:>10}{e['flagged_defensive']:>13}{e['needed']:>10}"
-                  f"{'':>11}  (reprules._scale: off total, off defensive, needed)")
+            print(f"  {name:18}{'formula':10}{'':>6}{e['off']:>10}{e['flagged_defensive']:>13}{e['needed']:>10}")
     errors = {n: r["max_error"] for n, r in results["workloads"].items() if r.get("max_error")}
     if errors:
         print("\ngradients: max abs error against the unsharded reference")
@@ -721,43 +743,47 @@ def print_report(results: dict[str, Any]) -> None:
         for v, m in r.get("memory", {}).items():
             if m:
                 print(f"  {name:18}{v:10}{m['temp']:>12}{m['argument']:>12}{m['output']:>12}")
-    print("\nratios (< 1 is faster with reprules; trace+lower also as this process's CPU time)")
-    print(f"  {'workload':18}{'step vs off':>19}{'step vs hand':>19}{'trace+lower vs off':>20}"
-          f"{'  (CPU time)':>19}{'trace+lower vs hand':>20}")
-    for name, r in results["workloads"].items():
-        if "skipped" in r:
-            continue
-        sr, lr, lc = r["step_ratio"], r["lower_ratio"], r["lower_cpu_ratio"]
-        print(f"  {name:18}{fmt_ratio(sr.get('reprules/off')):>19}{fmt_ratio(sr.get('reprules/hand')):>19}"
-              f"{fmt_ratio(lr.get('reprules/off')):>20}{fmt_ratio(lc.get('reprules/off')):>19}"
-              f"{fmt_ratio(lr.get('reprules/hand')):>20}")
+    say("\nratios (< 1 is faster with reprules)")
+    print(f"  {'workload':18}{'step vs off':>19}{'step vs hand':>19}")
+    ran = {name: r for name, r in results["workloads"].items() if "skipped" not in r}
+    for name, r in ran.items():
+        sr = r["step_ratio"]
+        print(f"  {name:18}{fmt_ratio(sr.get('reprules/off')):>19}{fmt_ratio(sr.get('reprules/hand')):>19}")
+        if "inference/off" in sr:
+            say(f"  {'':18}inference: step vs off {fmt_ratio(sr.get('inference/off'))}", hang="  ")
+    say("\ntrace+lower ratios (also as this process's CPU time)")
+    print(f"  {'workload':18}{'vs off':>19}{'vs off, CPU time':>19}{'vs hand':>19}")
+    for name, r in ran.items():
+        lr, lc = r["lower_ratio"], r["lower_cpu_ratio"]
+        print(f"  {name:18}{fmt_ratio(lr.get('reprules/off')):>19}{fmt_ratio(lc.get('reprules/off')):>19}"
+              f"{fmt_ratio(lr.get('reprules/hand')):>19}")
         if "inference/off" in lr:
-            print(f"  {'':18}inference: step vs off {fmt_ratio(sr.get('inference/off'))}, trace+lower vs off "
-                  f"{fmt_ratio(lr.get('inference/off'))}, vs reprules {fmt_ratio(lr.get('inference/reprules'))}")
-    print("\ntrace+lower seconds (median wall, median CPU)")
-    for name, r in results["workloads"].items():
-        if "skipped" in r:
-            continue
-        print(f"  {name:18}" + ", ".join(f"{v} {r['lower_s'][v]['median']:.3f} / {r['lower_cpu_s'][v]['median']:.3f}"
-                                         for v in r["lower_s"]))
+            say(f"  {'':18}inference: vs off {fmt_ratio(lr.get('inference/off'))}, vs reprules "
+                f"{fmt_ratio(lr.get('inference/reprules'))}", hang="  ")
+    say("\ntrace+lower seconds (median wall, median CPU)")
+    for name, r in ran.items():
+        say(f"  {name:18}" + ", ".join(f"{v} {r['lower_s'][v]['median']:.3f} / {r['lower_cpu_s'][v]['median']:.3f}"
+                                       for v in r["lower_s"]), hang=" " * 18)
         depth = r.get("lower_ratio_by_depth", {}).get("reprules/off")
         if depth and len(depth) > 1:
-            print(f"  {'':18}reprules vs off by stack depth ({len(depth)} depths, ratio of medians): "
-                  f"min {min(depth):.3f}, median {float(np.median(depth)):.3f}, max {max(depth):.3f}")
+            say(f"  {'':18}reprules vs off by stack depth ({len(depth)} depths, ratio of medians): "
+                f"min {min(depth):.3f}, median {float(np.median(depth)):.3f}, max {max(depth):.3f}", hang="  ")
     imp = results["import"]["reprules_on_top_of_jax_s"]
-    print(f"\nimport reprules on top of import jax: {imp['median'] * 1e3:.1f} ms "
-          f"[{imp['p25'] * 1e3:.1f}, {imp['p75'] * 1e3:.1f}] over {imp['n']} fresh interpreters")
-    print("\ntargets (reported, not asserted)")
+    say(f"\nimport reprules on top of import jax: {imp['median'] * 1e3:.1f} ms "
+        f"[{imp['p25'] * 1e3:.1f}, {imp['p75'] * 1e3:.1f}] over {imp['n']} fresh interpreters")
+    say("\ntargets (reported, not asserted)")
     for t in results["targets"]:
         met = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
         value = t["value"]
         if isinstance(value, float):
             value = f"{value:.3g}"
-        print(f"  {met:8}{t['target']}: {value}")
+        say(f"  {met:8}{t['target']}: {value}", hang=" " * 8)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    width = min(shutil.get_terminal_size().columns, WIDTH) - 2  # argparse's own margin
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=lambda prog: argparse.HelpFormatter(prog, width=width))
     parser.add_argument("--repeats", type=int, default=50, help="timed rounds per workload (default 50)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs per variant first (default 5)")
     parser.add_argument("--lower-repeats", type=int, default=20, help="trace+lower rounds (default 20)")
@@ -776,8 +802,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parser.parse_args(argv)
 
     if jax.device_count() < 8:
-        print(f"bench needs 8 devices, found {jax.device_count()} (was a JAX backend started before XLA_FLAGS "
-              "was set?)", file=sys.stderr)
+        say(f"bench needs 8 devices, found {jax.device_count()} (was a JAX backend started before XLA_FLAGS "
+            "was set?)", file=sys.stderr)
         return 2
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(MESH_SHAPE), MESH_AXES)
     builders: dict[str, Callable[[bool], Workload]] = {

@@ -21,7 +21,7 @@ import threading
 from types import ModuleType
 
 from reprules._errors import UnsupportedJaxError
-from reprules._shim import _common
+from reprules._shim import _common, _source
 from reprules._shim._verify import raise_if_mismatched as raise_if_mismatched
 from reprules._shim._verify import take_mismatches as take_mismatches
 
@@ -79,6 +79,7 @@ def activate() -> None:
         module = regime()
         patches = _common.Patches()
         try:
+            _source.exclude_shim_frames(patches)  # sources name the user's code, not the shim
             module.install(patches)
         except BaseException:
             patches.undo_all()

@@ -119,6 +119,15 @@ class Patches:
         mapping[key] = installed
         self._undo.append(undo)
 
+    def on_undo(self, undo: Callable[[], None]) -> None:
+        """Runs ``undo`` when these patches are undone (for a change no attribute holds)."""
+
+        def run() -> str | None:
+            undo()
+            return None
+
+        self._undo.append(run)
+
     def undo_all(self) -> None:
         """Restores what reprules still owns, newest first; warns once about the rest."""
         self.live = False

@@ -52,7 +52,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from reprules import _errors, _mode_state
 from reprules._registry import generation
-from reprules._shim import _common, vma  # vma imports this module too: names are read at call time
+from reprules._shim import _common, _source, vma  # vma imports this module too: names are read at call time
 
 Field = Any  # vma.TypeField: reads the varying axes of a type
 
@@ -62,6 +62,7 @@ class _Call:
     """One call of a ``custom_vjp`` function: what its bwd needs to know."""
 
     fun: Any  # the decorated function: its names are read only for an error message
+    bwd: Any  # the user's bwd: what reprules adds to its cotangents is attributed to it
     static: frozenset[int]  # nondiff_argnums: no cotangent is returned for these
     with_logs: bool
     watch: _common.Watch = dataclasses.field(default_factory=_common.Watch)
@@ -152,6 +153,7 @@ def _wrap_call(original: Callable[..., Any], static_attr: str, field: Field) -> 
             return original(self, *args, **kwargs)
         call = _Call(
             fun=getattr(self, "fun", None) or getattr(self, "f", None),
+            bwd=bwd,
             static=frozenset(getattr(self, static_attr, ()) or ()),
             with_logs=bool(getattr(self, "with_logs", False)),
         )
@@ -639,10 +641,14 @@ def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: in
                 excess & (taint or frozenset()), manual, _common.JAX_VERSION,
             )
         )
-    if excess:
-        ct = _psum(ct, excess)
-    if want - have:  # a replicated cotangent for a varying input: a free cast
-        ct = vma.cast_up(ct, want - have)
+    if excess or want - have:
+        # Attributed to the user's bwd and marked as reprules' (_source): reports
+        # then name the bwd rather than this module.
+        with _source.added_in(call.bwd):
+            if excess:
+                ct = _psum(ct, excess)
+            if want - have:  # a replicated cotangent for a varying input: a free cast (its transpose: a psum)
+                ct = vma.cast_up(ct, want - have)
     return ct
 
 

@@ -68,6 +68,7 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         call = custom_vjp._Call(
             fun=getattr(self, "fun", None),
+            bwd=bwd,
             static=frozenset(getattr(self, "nondiff_argnums", ()) or ()),
             with_logs=False,
         )
