@@ -370,7 +370,8 @@ def test_dead_and_reprules_added_collectives_are_shown_as_such(bwd_steps, browse
     row = got["collectives"][-1][on["collectives"].index(dead)]  # the reprules side's table
     assert row[5] == "dead only in the jaxpr: dropped by lowering, never runs; not counted", row
     assert row[6] == "J . . dead code, not lowered", row
-    assert ["dead (not counted)", "0", "1"] in got["summary"], got["summary"]
+    (dead_row,) = [r for r in got["summary"] if r[0] == "dead (not counted)"]  # off: 1 on JAX <= 0.4
+    assert dead_row[2] == "1" and dead_row[1] in ("0", "1"), got["summary"]
     needed = next(r for r in got["summary"] if r[0] == "needed")
     assert needed[2] == f"{on['count'] - on['defensive_count']} ({on['bytes'] - on['defensive_bytes']:,} B)"
     on, got = seen["both"]

@@ -484,7 +484,8 @@ def test_audit_dead_all_reduce_is_dead_in_text_json_and_counts(bwd_steps, capsys
     assert row[5:7] == ["dead", "J.."] and row[7] != "?", row
     assert re.search(r"\n +collectives +\d+ \(\d+ B\) +0 \(0 B\)\n", out), out  # not counted as needed
     assert re.search(r"\n +needed +\d+ \(\d+ B\) +0 \(0 B\)\n", out), out
-    assert re.search(r"\n +dead \(not counted\) +0 \(0 B\) +1 \(512 B\)\n", out), out
+    # Checking off has the same dead all-reduce on JAX <= 0.4 (its transpose, not reprules').
+    assert re.search(r"\n +dead \(not counted\) +[01] \((0|512) B\) +1 \(512 B\)\n", out), out
     assert "dead: only in the jaxpr (levels J..): lowering dropped it as dead code" in " ".join(out.split())
     assert _cli.main(["audit", "bwd_steps:only_x", "--quiet", "--json"]) == 0
     on = json.loads(capsys.readouterr().out)["workloads"][0]["on"]

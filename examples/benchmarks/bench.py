@@ -74,6 +74,7 @@ import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -479,15 +480,22 @@ def first_lines(err: BaseException, n: int = 2) -> str:
 WIDTH = 100  # every line of the printed report fits these columns
 
 
+def short_paths(text: str) -> str:
+    """Installed files from their package's folder on (``jax/...``): a path is one word,
+    which wrapping cannot break, and a virtual environment's prefix can be long."""
+    return re.sub(r"\S*/site-packages/", "", text)
+
+
 def say(text: str, indent: str = "", hang: str = "    ", file: Any = None) -> None:
     """Prints ``text`` wrapped to :data:`WIDTH` columns (never cut), continuation lines indented by ``hang``."""
-    for line in text.split("\n"):
+    for line in short_paths(text).split("\n"):
         print(textwrap.fill(line, WIDTH, initial_indent=indent, subsequent_indent=indent + hang,
                             break_long_words=False, break_on_hyphens=False) or line, file=file)
 
 
 def row(base: str, extra: str) -> None:
     """A table row, and its note after it where both fit, else on the lines below."""
+    base, extra = short_paths(base), short_paths(extra)
     if len(base) + len(extra) <= WIDTH:
         print(base + extra)
     else:
