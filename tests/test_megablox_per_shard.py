@@ -21,6 +21,10 @@ kernel with no rule keeps JAX's own error.
 from __future__ import annotations
 
 import contextlib
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +91,8 @@ def _reference(lhs, rhs, t):
     "sizes under check_vma; the dynamic-grid test below covers the fix there"))
 @pytest.mark.parametrize("mode", ["InterpretParams", "force_tpu_interpret_mode"])
 def test_gmm_with_group_sizes_sharded_over_data_equals_ragged_dot_per_shard(mesh, mode):
+    if os.environ.get(_INNER) != mode:
+        return _in_a_subprocess(mode)
     gmm = _gmm()
     kwargs, interpret = _tpu_interpret(mode)
     lhs, rhs, t = randn(0, (4 * M, K)), randn(1, (len(SIZES[0]), K, N)), randn(2, (4 * M, N))
@@ -111,6 +117,26 @@ def test_gmm_with_group_sizes_sharded_over_data_equals_ragged_dot_per_shard(mesh
     assert max_err(glhs, expected_lhs) < 1e-4
     assert max_err(grhs, expected_rhs) / np.abs(expected_rhs).max() < 1e-5
     assert psums == [("data",)]  # the replicated rhs's gradient; nothing over 'model'
+
+
+_INNER = "REPRULES_MEGABLOX_MODE"
+HANG_S = 120  # it runs in ~12 s when the interpreter does not hang
+
+
+def _in_a_subprocess(mode):
+    """Runs the gmm test in its own pytest process, given :data:`HANG_S` seconds: JAX's TPU
+    interpreter can deadlock in its callbacks (JAX alone too, always on 0.6 - 0.10, now and then
+    on 0.11 on a loaded 2-core machine), and a hung process must not hang the suite."""
+    test = f"{pathlib.Path(__file__).name}::test_gmm_with_group_sizes_sharded_over_data_equals_ragged_dot_per_shard[{mode}]"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", test],
+            cwd=pathlib.Path(__file__).parent, env={**os.environ, _INNER: mode},
+            capture_output=True, text=True, timeout=HANG_S)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"JAX {jax.__version__}'s TPU interpreter hung running megablox gmm for {HANG_S} s "
+                    "(a deadlock of its callbacks, seen with JAX alone): no result to check")
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
 def _first_step_copy(n_ref, x_ref, o_ref):
