@@ -134,7 +134,7 @@ def render_workload(entry: Mapping[str, Any]) -> list[str]:
         ("  defensive", *(_count(reports[k], True) for k in keys)),
         ("  needed", *(_count(reports[k], False) for k in keys)),
         *([("  dead (not counted)", *(_count(reports[k], dead=True) for k in keys))]
-          if any(reports[k].dead for k in keys) else []),
+          if any(reports[k].dead_collectives for k in keys) else []),
         ("kernels with rules", *(_kernels(reports[k]) for k in keys)),
         ("max error vs reference", *(_error(entry[k]["max_error"]) for k in keys)),
     ]

@@ -260,7 +260,7 @@ def _summary(v: dict[str, Any]) -> dict[str, Any]:
         "bytes": report.bytes(),
         "defensive_count": len(report.defensive),
         "defensive_bytes": sum(c.step_bytes for c in report.defensive),
-        "dead_count": len(report.dead),
+        "dead_count": len(report.dead_collectives),
         "kernels_with_rules": sum(1 for k in report.kernels if k.has_rule),
         "kernels_total": len(report.kernels),
         "max_error": v["max_error"],

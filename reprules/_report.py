@@ -274,7 +274,7 @@ class Report:
         return self.select(defensive=True)
 
     @property
-    def dead(self) -> tuple[Collective, ...]:
+    def dead_collectives(self) -> tuple[Collective, ...]:
         """The collectives only in the jaxpr: dropped by lowering, they never run."""
         return self.select(dead=True)
 
@@ -296,7 +296,7 @@ class Report:
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         if not self.collectives:
             lines.append("  (no collectives)")
-        live, d, dead = self.select(), self.defensive, self.dead
+        live, d, dead = self.select(), self.defensive, self.dead_collectives
         lines.append(f"  total: {len(live)} collectives, {self.bytes()} B per step; "
                      f"{len(d)} defensive ({sum(c.step_bytes for c in d)} B)"
                      + (f"; {len(dead)} dead (not counted)" if dead else ""))
@@ -322,7 +322,7 @@ class Report:
             "summary": {
                 "count": len(self.select()),
                 "bytes": self.bytes(),
-                "dead_count": len(self.dead),
+                "dead_count": len(self.dead_collectives),
                 "defensive_count": len(self.defensive),
                 "defensive_bytes": sum(c.step_bytes for c in self.defensive),
                 "by_kind": {k: {"count": self.count(k), "bytes": self.bytes(k)}

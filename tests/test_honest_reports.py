@@ -243,7 +243,7 @@ def test_dead_all_reduce_is_dead_in_every_count_and_check():
     live = [c for c in report.collectives if c.levels != ("jaxpr",)]
     assert report.count() == len(live) and report.bytes() == sum(c.step_bytes for c in live)
     assert dead not in report.select("all-reduce") and dead not in report.defensive
-    assert dead in report.select("all-reduce", level="jaxpr") and report.dead == (dead,)
+    assert dead in report.select("all-reduce", level="jaxpr") and report.dead_collectives == (dead,)
     summary = report.to_dict()["summary"]
     assert (summary["count"], summary["dead_count"]) == (len(live), 1)
     assert report.to_dict()["collectives"][report.collectives.index(dead)]["dead"] is True

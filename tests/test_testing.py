@@ -174,7 +174,7 @@ def test_jaxpr_only_dead_all_reduce_is_ignored_by_default():
     report = testing.assert_no_all_reduce(grad_x, x)
     assert report.select("all-reduce") == () and report.count() == 0  # dead: in no count by default
     assert [c.levels for c in report.select("all-reduce", level="jaxpr")] == [("jaxpr",)]
-    assert [(c.status, c.dead) for c in report.dead] == [("dead", True)]
+    assert [(c.status, c.dead) for c in report.dead_collectives] == [("dead", True)]
     with pytest.raises(testing.CollectivesAssertionError, match="all-reduce"):
         testing.assert_no_all_reduce(grad_x, x, levels=("jaxpr",))
 
