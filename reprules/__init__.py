@@ -22,6 +22,7 @@ import functools
 import importlib.metadata
 from typing import TYPE_CHECKING
 
+from reprules import _packs, _registry
 from reprules import rules as rules
 from reprules._errors import CotangentError as CotangentError
 from reprules._errors import MissingRuleError as MissingRuleError
@@ -83,6 +84,7 @@ __all__ = [
     "VaryingSet",
     "ffi_target",
     "inference",
+    "jax_patches",
     "kernel_named",
     "kernels_in",
     "jax_support",
@@ -127,7 +129,7 @@ def replication_rule(rule: RuleLike | None = None, *, override: bool = False) ->
         replication_rule()(layer_norm.layer_norm_forward_kernel)  # someone else's kernel
         ```
     """
-    from reprules import _packs, _registry, _shim
+    from reprules import _shim  # lazy: imports JAX
 
     if isinstance(rule, type):
         raise RegistrationError(
@@ -172,8 +174,6 @@ def replication_rule(rule: RuleLike | None = None, *, override: bool = False) ->
 
 
 def _inferred_only_on_packages(kernel: object, rule: RuleLike) -> str:
-    from reprules import _registry
-
     if isinstance(kernel, KernelPackage):
         return (
             f"reprules.kernels_in({kernel.package!r}) takes only rules.inferred(), not {rule!r}.\n"
@@ -208,8 +208,6 @@ def kernels_in(package: str) -> KernelPackage:
         reprules.replication_rule(reprules.rules.inferred())(reprules.kernels_in("tokamax"))
         ```
     """
-    from reprules import _registry
-
     if not isinstance(package, str) or not all(part.isidentifier() for part in package.split(".")):
         raise RegistrationError(
             f"kernels_in needs a dotted package or module name, got {package!r}.\n"
@@ -295,7 +293,7 @@ def unregister(kernel: KernelLike) -> bool:
 
     When the last rule is removed, every JAX patch is undone.
     """
-    from reprules import _registry, _shim
+    from reprules import _shim  # lazy: imports JAX
 
     with _shim.lock:  # registry and JAX patches change together
         removed = _registry.unregister(kernel)
@@ -314,7 +312,7 @@ def _forget_traces() -> None:
     JAX caches the jaxpr of a function by its identity; a function traced before
     the change would otherwise keep the old typing (stale, and silently so).
     """
-    from reprules import _shim
+    from reprules import _shim  # lazy: imports JAX
 
     _shim.clear_jax_caches()
 
@@ -328,14 +326,26 @@ def registered() -> dict[str, Registration]:
     registration order (so a key can change when an earlier namesake is
     unregistered). ``Registration.where`` is always the plain name.
     """
-    from reprules import _registry
-
     return _registry.registered()
+
+
+def jax_patches() -> list[tuple[str, bool]]:
+    """What reprules has changed in JAX right now: ``(object, in place)`` per patch.
+
+    Empty while reprules is inactive. ``object`` names the JAX attribute or
+    table entry (``"jax._src.pallas.pallas_call._trace_kernel_to_jaxpr"``);
+    ``in place`` is False where another library replaced reprules' hook since
+    (reprules' hook then passes every call through, and a
+    :class:`PatchWarning` names it when reprules lets go).
+    """
+    from reprules import _shim  # lazy: imports JAX
+
+    return _shim.held_patches()
 
 
 def jax_support() -> dict[str, str]:
     """The installed JAX version and the mechanism reprules uses for it."""
-    from reprules import _shim
+    from reprules import _shim  # lazy: imports JAX
 
     module = _shim.regime()
     return {
@@ -347,7 +357,7 @@ def jax_support() -> dict[str, str]:
     }
 
 
-from reprules import _modes, _packs  # noqa: E402
+from reprules import _modes  # noqa: E402
 
 _packs.discover()  # cheap: reads entry-point names, loads nothing until needed
 

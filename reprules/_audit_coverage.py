@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from reprules import _walk
+from reprules._registry import KernelName, Registration
+from reprules._shim import InferredRule, derive_pallas_rule
 
 COVERED_BY = ("identity", "name", "inference", "none")
 PALLAS_ONLY = "is not a pallas_call: inference derives rules for Pallas kernel bodies only"
@@ -45,9 +47,6 @@ Key = tuple[str, str, str, bool]  # (name, primitive, source, has_rule), as in t
 
 def covered_by(registration: Any) -> str:
     """``identity``, ``name``, ``inference`` or ``none`` for a registration (or None)."""
-    from reprules._registry import KernelName
-    from reprules._shim.infer import InferredRule
-
     if registration is None:
         return "none"
     if isinstance(registration.rule, InferredRule):
@@ -61,11 +60,8 @@ def would_infer(primitive: str, params: Mapping[str, Any]) -> dict[str, Any]:
     """What inference would do for one opaque equation without a rule."""
     if primitive != "pallas_call" or "jaxpr" not in params:
         return {"covers": False, "primitive": primitive, "where": "", "reason": PALLAS_ONLY}
-    from reprules._registry import Registration
-    from reprules._shim import infer
-
     try:
-        found = infer.registration(dict(params))
+        found = derive_pallas_rule(dict(params))
     except Exception as err:  # a report must not fail on what it only describes
         return {"covers": False, "primitive": primitive, "where": "",
                 "reason": f"the analysis failed ({type(err).__name__}: {err})"}

@@ -13,9 +13,10 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from reprules._report import ADDED_MEANING, ADDED_TEXT, Report
+
 if TYPE_CHECKING:
     from reprules._audit_coverage import Coverage
-    from reprules._report import Report
 
 WIDTH = 100
 LABELS = {"off": "checking off", "on": "reprules (checking on)", "given": "as given"}
@@ -101,7 +102,7 @@ def _kernel_rows(report: Report, coverage: Sequence[Coverage]) -> list[tuple[str
 
 def _inference_lines(report: Report, coverage: Sequence[Coverage]) -> list[str]:
     """For each kernel without a rule: whether inference would cover it, or why not."""
-    from reprules._audit_coverage import describe
+    from reprules._audit_coverage import describe  # lazy: imports JAX
 
     lines: list[str] = []
     for k, c in zip(report.kernels, coverage):
@@ -158,8 +159,6 @@ def render_workload(entry: Mapping[str, Any]) -> list[str]:
 
 def legend(entries: Sequence[Mapping[str, Any]]) -> list[str]:
     """What every column of the kernel and collective tables means, and each status found in them."""
-    from reprules._report import ADDED_MEANING, ADDED_TEXT
-
     reports = [e[k]["report"] for e in entries for k in ("off", "on", "given") if k in e]
     shown = [c for r in reports for c in r.collectives]
     items = ["summary: per variant, the collectives' count (bytes per device per step), split by status "

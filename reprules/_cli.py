@@ -29,7 +29,10 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from reprules import _audit_text
+import reprules
+from reprules import _audit_html, _audit_text, _environment, _registry, _workloads
+from reprules import _audit_target as protocol
+from reprules._errors import UnsupportedJaxError
 
 DEFAULT_DEVICES = 8
 SCHEMA_VERSION = 1
@@ -129,8 +132,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "audit":
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    from reprules._errors import UnsupportedJaxError
-
     progress = _Progress(sys.stderr, enabled=not args.quiet)
     try:
         _check_html_path(args.html)
@@ -176,8 +177,6 @@ def _check_html_path(path: str | None) -> None:
 
 
 def _inferring(on: bool) -> contextlib.AbstractContextManager[None]:
-    import reprules
-
     return reprules.inference() if on else contextlib.nullcontext()
 
 
@@ -186,8 +185,6 @@ def _provide_devices(n: int, *, default_run: bool) -> None:
     if n < 1:
         raise _Failure(f"--devices must be at least 1, got {n}.\nWhy: JAX needs at least one device.\n"
                        "Fix: pass e.g. --devices 8.", EXIT_USAGE)
-    from reprules import _environment
-
     if _environment.backend_started():
         import jax
 
@@ -232,7 +229,7 @@ def _max_error(got: Any, expected: Any) -> float:
 def _variant(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], reference: Any) -> dict[str, Any]:
     import jax
 
-    from reprules import _audit_coverage, testing
+    from reprules import _audit_coverage, testing  # lazy: imports JAX
 
     report = testing.collectives(step, *args, **kwargs)
     coverage = _audit_coverage.of_step(step, args, kwargs)  # same registry state and mode as the report
@@ -273,8 +270,6 @@ def _no_rule_text(kernel: Any) -> str:
 
 def _unmatched_names() -> list[dict[str, str]]:
     """``kernel_named`` rules that no kernel traced so far has matched."""
-    from reprules import _registry
-
     out = []
     for reg in _registry.unmatched_names():
         kernel = reg.kernel()
@@ -301,8 +296,6 @@ def _document(support: dict[str, str], devices: int, target: str | None, mesh: d
               entries: list[dict[str, Any]], findings: list[str], infer: bool,
               unmatched: list[dict[str, str]]) -> dict[str, Any]:
     """The ``--json`` document (layout :data:`SCHEMA_VERSION`)."""
-    import reprules
-
     return {
         "schema_version": SCHEMA_VERSION,
         "reprules": reprules.__version__, "jax": support["jax"], "regime": support["regime"],
@@ -319,8 +312,6 @@ def _document(support: dict[str, str], devices: int, target: str | None, mesh: d
 def _finish(args: argparse.Namespace, text: str, doc: dict[str, Any], failed: bool,
             findings: list[str], progress: _Progress) -> int:
     if args.html is not None:
-        from reprules import _audit_html
-
         try:
             with open(args.html, "w", encoding="utf-8") as page:
                 page.write(_audit_html.render(doc))
@@ -352,8 +343,6 @@ def _header(support: dict[str, str], devices: int, what: str, infer: bool) -> li
 def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
     import jax
 
-    import reprules
-    from reprules import _registry, _workloads
 
     support = reprules.jax_support()
     progress(f"reprules {reprules.__version__} audit: JAX {support['jax']} ({support['regime']} regime), "
@@ -409,9 +398,6 @@ def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
 
 def _audit_target(args: argparse.Namespace, progress: _Progress) -> int:
     import jax
-
-    import reprules
-    from reprules import _audit_target as protocol
 
     support = reprules.jax_support()
     sys.path.insert(0, os.getcwd())

@@ -16,8 +16,6 @@ from reprules._version import version_tuple as version_tuple
 FLAG = "--xla_force_host_platform_device_count"
 
 
-
-
 def jax_version() -> tuple[int, ...]:
     """The installed JAX's version as a tuple (imports JAX)."""
     import jax
@@ -47,7 +45,7 @@ def backend_started() -> bool:
     """Whether a JAX backend, and so its device count, is already fixed (never imports JAX)."""
     if "jax" not in sys.modules:
         return False
-    from reprules._shim._inspect import backends_started
+    from reprules._shim._jax import backends_started  # lazy: JAX is imported already, reprules' shim may not be
 
     return backends_started()
 

@@ -8,7 +8,8 @@ itself raises in the same situation, so existing ``except`` clauses still work.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 class ReprulesError(Exception):
@@ -181,4 +182,38 @@ def mixed_cotangent_message(
         f"Fix: psum the varying part yourself in the bwd rule, e.g. "
         f"`jax.lax.psum(dw_varying, ({over},)) + dw_replicated`, so the cotangent has the "
         "primal's type."
+    )
+
+
+def core_map_rule_message(where: str, rule: str, name: str, mesh_axes: Sequence[str], jax_version: str) -> str:
+    """A rule registered on a function passed to ``pl.core_map``, which no rule can type."""
+    return (
+        f"The function {where!r} passed to pl.core_map has the replication rule {rule}, "
+        "but reprules cannot apply a rule to pl.core_map "
+        f"(mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version}).\n"
+        "Why: pl.core_map has no outputs. It writes into refs its caller made, and JAX types them "
+        "by the values they were made from; a rule cannot change those types, and ignoring it "
+        "silently could hide a wrong one.\n"
+        "Fix: call the body through pl.kernel(body, out_shape=..., mesh=...) (JAX 0.8+), with the "
+        "rule on the body, or make the output refs from values that vary as the outputs do "
+        "(cast them up with jax.lax.pvary / jax.lax.pcast(..., to='varying') before "
+        f"jax.new_ref) and remove the rule: reprules.unregister({name})."
+    )
+
+
+def mpmd_disagreement_message(answers: Sequence[tuple[str, str, Any, Any]], num_bodies: int,
+                              mesh_axes: Sequence[str], jax_version: str) -> str:
+    """Bodies of one MPMD ``pl.kernel`` whose rules disagree: ``(where, rule, outputs, inputs)`` each."""
+    lines = "\n".join(
+        f"  - {where!r} (rule {rule}): outputs vary over {[sorted(o) for o in outputs]}, inputs cast to "
+        f"{'as they are' if inputs is None else [sorted(i) for i in inputs]}"
+        for where, rule, outputs, inputs in answers
+    )
+    return (
+        f"The MPMD pl.kernel with {num_bodies} bodies has registered bodies whose replication "
+        f"rules disagree (mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version}):\n"
+        f"{lines}\n"
+        "Why: the bodies run as one kernel with one set of outputs, so reprules types them by "
+        "the rule of its registered bodies, which must give the same answer.\n"
+        "Fix: register the same rule on every body (or on one of them)."
     )

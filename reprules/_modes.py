@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from reprules import _registry
 from reprules._mode_state import INFER_ENV, STRICT_ENV, VERIFY_ENV, enter, inferring, leave, strict_on, verifying
 
 __all__ = ["INFER_ENV", "STRICT_ENV", "VERIFY_ENV", "inference", "inferring", "strict", "strict_on", "verify",
@@ -17,7 +18,7 @@ __all__ = ["INFER_ENV", "STRICT_ENV", "VERIFY_ENV", "inference", "inferring", "s
 
 
 def _retrace() -> None:
-    from reprules import _shim  # imports JAX: only when a mode is switched
+    from reprules import _shim  # lazy: imports JAX, only when a mode is switched
 
     _shim.clear_jax_caches()
 
@@ -45,7 +46,7 @@ def verify() -> Iterator[None]:
             jax.jit(step)(params, batch)
         ```
     """
-    from reprules import _shim
+    from reprules import _shim  # lazy: imports JAX
 
     _shim.take_mismatches()  # forget anything found before this context
     enter("verify")
@@ -70,7 +71,7 @@ def strict() -> Iterator[None]:
     :class:`reprules.StrictModeError` while tracing. JAX <= 0.5 already refuses
     primitives without a rule, so there this mode changes nothing.
     """
-    from reprules import _shim
+    from reprules import _shim  # lazy: imports JAX
 
     enter("strict")
     _shim.sync_strict()
@@ -108,7 +109,7 @@ def inference() -> Iterator[None]:
             grads = jax.jit(step)(params, batch)   # no rules registered by hand
         ```
     """
-    from reprules import _registry, _shim
+    from reprules import _shim  # lazy: imports JAX
 
     with _shim.lock:
         enter("infer")

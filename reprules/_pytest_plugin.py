@@ -85,7 +85,7 @@ def _provide_devices(n: int, source: str) -> None:
         raise pytest.UsageError(
             f"{source}: the number of fake CPU devices must be at least 1, got {n}.\n"
             "Why: JAX needs at least one device.\nFix: ask for 1 or more devices, e.g. 8.")
-    from reprules import _environment
+    from reprules import _environment  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
     if _environment.backend_started():
         import jax
@@ -105,7 +105,7 @@ def _provide_devices(n: int, source: str) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     if _inference_requested(config):  # after pytest_load_initial_conftests provided the devices
-        import reprules
+        import reprules  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
         context = reprules.inference()
         context.__enter__()
@@ -156,8 +156,8 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     yield
     if "reprules._shim._verify" not in sys.modules:  # nothing was verified: JAX untouched
         return
-    from reprules import _modes
-    from reprules._shim import _verify
+    from reprules import _modes  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+    from reprules._shim import _verify  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
     if _modes.verifying():
         found = _verify.take_mismatches()
@@ -168,7 +168,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 @pytest.fixture
 def collectives() -> Callable[..., Any]:
     """``reprules.testing.collectives``: the report of a function's collectives."""
-    from reprules import testing
+    from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
     return testing.collectives
 
@@ -182,7 +182,7 @@ def no_all_reduce() -> Callable[..., Any]:
     ``testing.assert_no_all_reduce``), and fails with the offending lines, their source, and the decorator to add when an
     opaque kernel without a rule is the cause. Returns the report otherwise.
     """
-    from reprules import testing
+    from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
     def check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True

@@ -53,6 +53,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from reprules import _scale
+from reprules.testing import shard_map
+
 EPS = 1e-5
 VARIANTS = ("off", "reprules", "hand", "inference")
 LAYER_KEYS = ("ln1_g", "ln1_b", "w_qkv", "w_o", "ln2_g", "ln2_b", "w1", "w2")
@@ -160,10 +163,15 @@ def attn_bwd_kernel(q_ref: Any, k_ref: Any, v_ref: Any, o_ref: Any, lse_ref: Any
     dk_ref[...] = scale * jnp.einsum("nqk,nqd->nkd", ds, q, preferred_element_type=jnp.float32)
 
 
+def matmul_kernel(a_ref: Any, b_ref: Any, o_ref: Any) -> None:
+    """A whole-block matmul."""
+    import jax.numpy as jnp
+
+    o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+
+
 def kernels() -> tuple[Callable[..., Any], ...]:
     """The kernel functions the model calls (each takes ``rules.same()``)."""
-    from reprules._workloads import matmul_kernel
-
     return (matmul_kernel, ln_fwd_kernel, ln_bwd_kernel, attn_fwd_kernel, attn_bwd_kernel)
 
 
@@ -266,8 +274,6 @@ class Ops:
     # matmul
     def _mm(self, a: Any, b: Any) -> Any:
         import jax.numpy as jnp
-
-        from reprules._workloads import matmul_kernel
 
         return self._call(matmul_kernel, [((a.shape[0], b.shape[1]), jnp.float32)], a, b)[0]
 
@@ -389,8 +395,6 @@ def _forward(cfg: Config, mesh: Any, variant: str) -> Callable[[Any, Any], Any]:
     """``forward(params, x) -> y`` for the variant (fresh ``custom_vjp``\\ s and ``shard_map``\\ s)."""
     import jax
     from jax.sharding import PartitionSpec as P
-
-    from reprules.testing import shard_map
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
@@ -567,8 +571,6 @@ def reference_grads(cfg: Config = Config()) -> Any:
 
 def expected_bytes(cfg: Config, mesh_shape: dict[str, int], itemsize: int = 4) -> Any:
     """:func:`reprules._scale.step_bytes` for this config on a ``{"data": n, "model": m}`` mesh."""
-    from reprules import _scale
-
     mesh = _scale.Mesh(data=mesh_shape["data"], model=mesh_shape["model"])
     tokens = cfg.batch // mesh.data * cfg.seq
     return _scale.step_bytes(_scale.Model.from_config(cfg, itemsize), mesh, tokens, cfg.shard_map, cfg.scan)

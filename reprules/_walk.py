@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from reprules._report import Kernel
-from reprules._shim._source import ADDED_SCOPE
+from reprules._shim import ADDED_SCOPE, identify, pl_kernel_name
 
 _KIND_OF_PRIMITIVE = {
     "psum": "all-reduce",
@@ -229,8 +229,6 @@ def _is_library_file(path: str) -> bool:
 
 def _kernel_info(eqn: Any) -> tuple[str, str, Any]:
     """(name, source, shim Identity) of an opaque kernel equation."""
-    from reprules._shim._common import identify
-
     params = eqn.params
     name, source = "", ""
     info = params.get("name_and_src_info")  # 0.4.31 - 0.4.38
@@ -250,9 +248,7 @@ def _kernel_info(eqn: Any) -> tuple[str, str, Any]:
         name = str(params["target_name"])
     found = identify(eqn.primitive, params)
     if eqn.primitive.name in ("core_map", "mpmd_map"):  # pl.kernel: named by its body
-        from reprules._shim.core_map import kernel_name
-
-        name, source = kernel_name(params), "" if "helpers.py" in source else source
+        name, source = pl_kernel_name(params), "" if "helpers.py" in source else source
     source = source or found.site or _user_source(eqn.source_info)
     return name, source, found
 

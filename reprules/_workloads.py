@@ -21,6 +21,9 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import reprules
+from reprules import _transformer
+from reprules._transformer import matmul_kernel
 from reprules.testing import shard_map
 
 MESH_SHAPE = (4, 2)
@@ -126,13 +129,6 @@ def _issue21855_reference() -> Any:
 
 
 # --- 2. tensor-parallel MLP with a Pallas matmul ---------------------------------------
-
-
-def matmul_kernel(a_ref: Any, b_ref: Any, o_ref: Any) -> None:
-    """A whole-block matmul."""
-    import jax.numpy as jnp
-
-    o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
 
 
 def _matmul(a: Any, b: Any) -> Any:
@@ -265,15 +261,11 @@ DEFAULT_CASES: tuple[Case, ...] = (
 
 
 def _transformer_config(scan: bool) -> Any:
-    from reprules import _transformer
-
     return _transformer.Config(scan=scan)
 
 
 def _transformer_build(scan: bool) -> Callable[[Any, bool], Built]:
     def build(mesh: Any, check: bool) -> Built:
-        from reprules import _transformer
-
         step, args = _transformer.build(mesh, "reprules" if check else "off", _transformer_config(scan))
         return Built(step, args)
 
@@ -282,16 +274,12 @@ def _transformer_build(scan: bool) -> Callable[[Any, bool], Built]:
 
 def _transformer_reference(scan: bool) -> Callable[[], Any]:
     def reference() -> Any:
-        from reprules import _transformer
-
         return _transformer.reference_grads(_transformer_config(scan))
 
     return reference
 
 
 def _transformer_kernels() -> Sequence[Callable[..., Any]]:
-    from reprules import _transformer
-
     return _transformer.kernels()
 
 
@@ -313,8 +301,6 @@ def transformer_target(check: bool = True, scan: bool = False) -> Mapping[str, A
     """The transformer step in the ``module:callable`` protocol, checking on (rules
     registered) or off: ``reprules audit reprules._workloads:transformer_target``
     audits both side by side."""
-    import reprules
-
     if check:
         for kernel in _transformer_kernels():
             reprules.replication_rule()(kernel)

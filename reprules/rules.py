@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Callable, Sequence, Set
 from typing import Protocol, Union
 
+from reprules._errors import RuleError, did_you_mean, fmt_axes
+
 __all__ = [
     "Decision",
     "Rule",
@@ -100,8 +102,6 @@ def _union(sets: Sequence[VaryingSet]) -> VaryingSet:
 def _check_axes(rule: object, axes: tuple[str, ...], ctx: RuleContext) -> None:
     unknown = [a for a in axes if a not in ctx.mesh_axes]
     if unknown:
-        from reprules._errors import RuleError, did_you_mean, fmt_axes
-
         raise RuleError(
             f"Rule {rule} of kernel {ctx.kernel_name!r} names mesh axes {unknown} that are "
             f"not manual axes of the enclosing shard_map (axes {fmt_axes(ctx.mesh_axes)}, "
@@ -142,8 +142,6 @@ class like:
     index: int
 
     def __call__(self, ctx: RuleContext, in_varying: tuple[VaryingSet, ...], /) -> Decision:
-        from reprules._errors import RuleError, fmt_axes
-
         if not -len(in_varying) <= self.index < len(in_varying):
             raise RuleError(
                 f"Rule {self} of kernel {ctx.kernel_name!r} refers to input {self.index}, but the "
@@ -232,8 +230,6 @@ class inferred:
     """
 
     def __call__(self, ctx: RuleContext, in_varying: tuple[VaryingSet, ...], /) -> Decision:
-        from reprules._errors import RuleError, fmt_axes
-
         raise RuleError(  # reprules never calls it; a user calling it by hand learns why
             f"rules.inferred() was called for kernel {ctx.kernel_name!r} (mesh axes "
             f"{fmt_axes(ctx.mesh_axes)}, JAX {ctx.jax_version}).\n"

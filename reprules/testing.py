@@ -86,7 +86,7 @@ def collectives(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: 
       ``.count(kind, axes=..., level=..., defensive=...)`` and ``.bytes(...)``
       to assert on.
     """
-    from reprules import _collectives
+    from reprules import _collectives  # lazy: imports JAX
 
     return _collectives.collectives(fn, *args, mesh=mesh, **kwargs)
 

@@ -64,7 +64,7 @@ def enable_cpu_collectives() -> str:
 def register_rules() -> None:
     import reprules
     from helpers import copy_kernel
-    from reprules._workloads import matmul_kernel
+    from reprules._transformer import matmul_kernel
 
     from reprules import _transformer
 

@@ -246,7 +246,7 @@ def test_a_mixed_cotangent_inside_a_custom_vjp_of_the_bwd_is_still_refused(vjp3)
 
 
 def _count_bwd_runs(monkeypatch):
-    from reprules._shim import custom_vjp as impl
+    from reprules._shim import _bwd_trace as impl
 
     runs = {"straight": 0, "traced": 0, "replayed": 0}
 
@@ -257,9 +257,9 @@ def _count_bwd_runs(monkeypatch):
 
         return counted
 
-    monkeypatch.setattr(impl._Staged, "taints", spy("straight", impl._Staged.taints))
-    monkeypatch.setattr(impl, "_trace", spy("traced", impl._trace))
-    monkeypatch.setattr(impl, "_replay", spy("replayed", impl._replay))
+    monkeypatch.setattr(impl.Staged, "taints", spy("straight", impl.Staged.taints))
+    monkeypatch.setattr(impl, "trace", spy("traced", impl.trace))
+    monkeypatch.setattr(impl, "replay", spy("replayed", impl.replay))
     return runs
 
 

@@ -374,11 +374,11 @@ def test_off_by_default_and_nothing_stays_patched(mesh):
 
 
 def test_each_kernel_body_is_analysed_once(mesh, monkeypatch):
-    from reprules._shim import infer
+    from reprules._shim import _analysis
 
     calls = []
-    original = infer._summarize
-    monkeypatch.setattr(infer, "_summarize", lambda jaxpr, *rest: calls.append(jaxpr) or original(jaxpr, *rest))
+    original = _analysis._summarize
+    monkeypatch.setattr(_analysis, "_summarize", lambda jaxpr, *rest: calls.append(jaxpr) or original(jaxpr, *rest))
     x = put(randn(0, (8, 16)), mesh, P("data", None))
 
     def kernel(x_ref, o_ref):

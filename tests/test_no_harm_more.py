@@ -200,12 +200,12 @@ def _jax_state():
     from jax._src.pallas import pallas_call as pallas_call_mod
     from jax.experimental import pallas as pl_mod
 
-    from reprules._shim import _common
+    from reprules._shim import _jax
 
-    objects = {"pallas_call_p": _common.pallas_call_p(), "scale_p": scale_p,
+    objects = {"pallas_call_p": _jax.pallas_call_p(), "scale_p": scale_p,
                "pallas_call module": pallas_call_mod, "pallas module": pl_mod,
                "pallas core module": pallas_core_mod, "custom_derivatives": custom_derivatives}
-    ffi_p = _common.ffi_call_p()
+    ffi_p = _jax.ffi_call_p()
     if ffi_p is not None:
         objects["ffi_call_p"] = ffi_p
     state = {name: {k: id(v) for k, v in vars(obj).items()} for name, obj in objects.items()}

@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from reprules._shim import _common
+from reprules._shim import _jax, _kernels, _patches, _rules, pallas_call
 
 
 # --- the mechanism, on plain Python objects ----------------------------------------
@@ -40,7 +40,7 @@ def test_patches_restore_under_a_wrapper_installed_before_them():
     module, _, _ = _targets()
     log = []
     module.function = theirs = _wrap(module.function, log, "theirs")
-    patches = _common.Patches()
+    patches = _patches.Patches()
     patches.setattr(module, "function", _wrap(module.function, log, "ours"))
     assert module.function(1) == ("function", 1) and log == ["ours", "theirs"]
     patches.undo_all()  # no warning: everything restored
@@ -53,7 +53,7 @@ def test_patches_restore_under_a_wrapper_installed_before_them():
 def test_patches_leave_a_later_wrapper_in_place_and_pass_calls_through(kind):
     module, instance, table = _targets()
     log = []
-    patches = _common.Patches()
+    patches = _patches.Patches()
     original_method = vars(Target)["method"]
     if kind == "module":  # (holder, name) of the attribute; call: how JAX would call it
         where, holder, call = "fake_jax_module.function", module, lambda: module.function(1)
@@ -108,7 +108,7 @@ def _sharded_copy():
 
 @pytest.fixture
 def pallas_bind():
-    prim = _common.pallas_call_p()
+    prim = _jax.pallas_call_p()
     assert "bind" not in vars(prim)
     yield prim
     for reg in list(reprules.registered().values()):  # before the profiler goes
@@ -146,14 +146,14 @@ def test_profiler_wrapping_jax_after_reprules_is_kept_and_reprules_goes_inert(pa
     reg = reprules.Registration(rule=reprules.rules.same(), name="copy_kernel", where="test",
                                 kernel_ref=lambda: copy_kernel)
     x = randn(0, (8, 128))
-    with _common.tracing(reg):
+    with _kernels.tracing(reg):
         jaxpr = jax.make_jaxpr(_copy)(x)
     (eqn,) = [e for e in jaxpr.eqns if e.primitive is pallas_bind] or [
         e for outer in jaxpr.eqns for e in outer.params["jaxpr"].jaxpr.eqns if e.primitive is pallas_bind]
     assert log == ["theirs"]
-    assert _common.registration_of(eqn.params) is None
-    with _common._by_jaxpr_lock:
-        assert eqn.params["jaxpr"] not in _common._by_jaxpr
+    assert _rules.registration_of(eqn.params) is None
+    with _kernels._by_jaxpr_lock:
+        assert eqn.params["jaxpr"] not in _kernels._by_jaxpr
     np.testing.assert_array_equal(np.asarray(jax.jit(_copy)(x)), np.asarray(x))
 
 
@@ -162,8 +162,6 @@ def test_the_interpret_lowering_retypes_a_copy_of_the_context_as_replace_would()
     without dataclasses.replace; a dataclass it cannot rebuild in order goes through
     .replace. Either way: the same fields, the new avals, the original untouched."""
     import dataclasses
-
-    from reprules._shim import vma
 
     @dataclasses.dataclass
     class Ctx:
@@ -181,10 +179,10 @@ def test_the_interpret_lowering_retypes_a_copy_of_the_context_as_replace_would()
 
     for cls in (Ctx, KeywordCtx):
         ctx = cls("m", ["a"], ["b"], ("cpu",))
-        new = vma._retyped(ctx, ["A"], ["B"])
+        new = pallas_call._retyped(ctx, ["A"], ["B"])
         assert new == ctx.replace(avals_in=["A"], avals_out=["B"])
         assert ctx.avals_in == ["a"] and ctx.avals_out == ["b"]
-    assert vma._rebuilders[Ctx] is not None and vma._rebuilders[KeywordCtx] is None
+    assert pallas_call._rebuilders[Ctx] is not None and pallas_call._rebuilders[KeywordCtx] is None
 
 
 # --- what a replaced JAX object offered, its replacement offers too ---------------
@@ -207,7 +205,7 @@ class _Cache:
 def test_a_patch_keeps_the_public_attributes_of_what_it_replaced():
     module = types.ModuleType("fake_jax_module")
     module.traced = original = _Cache(lambda x: ("traced", x))
-    patches = _common.Patches()
+    patches = _patches.Patches()
     patches.setattr(module, "traced", _wrap(original, [], "ours"))
     assert module.traced is not original
     assert module.traced(1) == ("traced", 1) and module.traced.cache_info() == 1

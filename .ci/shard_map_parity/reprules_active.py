@@ -4,7 +4,7 @@ At load time (before collection):
   * `import reprules`; every rule pack that reprules discovered (`reprules.packs()`, the
     `reprules.rules` entry points) is loaded by importing the module it covers;
   * a rule is registered for an unrelated tiny Pallas copy kernel defined here, which
-    installs reprules' JAX patches (`reprules._shim.active()`).
+    installs reprules' JAX patches (`reprules.jax_patches()` lists them).
 The state (JAX support, packs, registrations, the list of patched JAX objects) is written
 to $REPRULES_MARKER (JSON). At session end the plugin checks that every patch is still in
 place and that the rule works (the kernel inside a checked shard_map), and adds that.
@@ -47,35 +47,18 @@ with warnings.catch_warnings(record=True) as _caught:
 
 _state["load_warnings"] = [f"{w.category.__name__}: {w.message}" for w in _caught]
 
-from reprules import _shim  # noqa: E402
-from reprules._shim import _common  # noqa: E402
 
 
 def _patch_list() -> list[dict]:
-    """The JAX objects reprules' live patches replaced, read from the undo closures."""
-    out = []
-    groups = [("activate", _shim._patches)] + [(f"attach:{k}", v) for k, v in _shim._attached.items()]
-    for group, patches in groups:
-        if patches is None:
-            continue
-        for undo in patches._undo:
-            cells = dict(zip(undo.__code__.co_freevars, (c.cell_contents for c in undo.__closure__ or ())))
-            installed = cells.get("installed")
-            if "mapping" in cells:
-                key = cells["key"]
-                now = cells["mapping"].get(key, None)
-                what = cells.get("label") or f"table[{key!r}]"
-            else:
-                obj, name = cells["obj"], cells["name"]
-                what = f"{_common._label(obj)}.{name}"
-                now = obj.__dict__.get(name) if hasattr(obj, "__dict__") else getattr(obj, name, None)
-            # in place: the installed hook, or a later hook of the same Patches wrapping it
-            ours = now is installed or getattr(now, "_reprules_guard", None) is patches
-            out.append({"group": group, "patched": what, "in_place": bool(ours and installed is not None)})
-    return out
+    """The JAX objects reprules' live patches replaced (public API: reprules.jax_patches())."""
+    return [{"patched": what, "in_place": in_place} for what, in_place in reprules.jax_patches()]
 
 
-_state["active_after_registration"] = _shim.active()
+def _active() -> bool:
+    return bool(reprules.jax_patches())
+
+
+_state["active_after_registration"] = _active()
 _state["registered"] = {k: str(v.rule) + f" ({v.source})" for k, v in reprules.registered().items()}
 _state["patches_at_load"] = _patch_list()
 
@@ -86,9 +69,9 @@ def _dump() -> None:
 
 
 _dump()
-print(f"[reprules_active] reprules active: {_shim.active()}, {len(_state['patches_at_load'])} patches, "
+print(f"[reprules_active] reprules active: {_active()}, {len(_state['patches_at_load'])} patches, "
       f"packs: {[(p['module'], p['state']) for p in _state['packs']]}", file=sys.stderr)
-assert _shim.active(), "reprules patches were not installed"
+assert _active(), "reprules patches were not installed"
 
 
 def pytest_report_header(config):
@@ -97,7 +80,7 @@ def pytest_report_header(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    _state["active_at_end"] = _shim.active()
+    _state["active_at_end"] = _active()
     _state["patches_at_end"] = _patch_list()
     _state["all_patches_in_place_at_end"] = all(p["in_place"] for p in _state["patches_at_end"])
     _state["registered_at_end"] = sorted(reprules.registered())

@@ -13,6 +13,18 @@ regime       JAX               mechanism
 Nothing is patched until the first rule is registered, and everything is
 restored when the last one is removed, so a program that registers nothing
 runs exactly as without reprules.
+
+The modules stand in layers, each importing only those below it
+(``tests/test_layering.py`` checks it):
+
+1. ``_jax`` (the one module that imports ``jax._src``), ``_patches``, ``_frames``;
+2. ``_types`` (the varying axes of a value, per era), ``_kernels`` and
+   ``_bodies`` (which kernel an equation belongs to);
+3. ``_effects``, ``_analysis``, ``infer`` (rules derived from a kernel body);
+4. ``_rules`` (the rule behind an equation), ``_taint``;
+5. adapters: ``_pallas_hooks``, ``pallas_call``, ``core_map``, ``primitives``,
+   ``strict``, ``_bwd_trace``, ``custom_vjp``, ``_verify``, ``_source``;
+6. eras: ``rep`` (with ``rep_gaps``, ``custom_vjp_rep``), ``vma``, ``mat``; then this façade.
 """
 
 from __future__ import annotations
@@ -20,21 +32,31 @@ from __future__ import annotations
 import threading
 from types import ModuleType
 
+import jax
+
+from reprules import _mode_state
 from reprules._errors import UnsupportedJaxError
-from reprules._shim import _common, _source
+from reprules._shim import _bwd_trace, _jax, _rules, _source, infer, mat, rep, vma
+from reprules._shim._patches import Patches
+from reprules._shim._rules import classify as classify
+from reprules._shim._rules import identify as identify
+from reprules._shim._source import ADDED_SCOPE as ADDED_SCOPE
+from reprules._shim.infer import InferredRule as InferredRule
 from reprules._shim._verify import raise_if_mismatched as raise_if_mismatched
 from reprules._shim._verify import take_mismatches as take_mismatches
 
-JAX_VERSION = _common.JAX_VERSION
+JAX_VERSION = _jax.JAX_VERSION
+pl_kernel_name = _rules.kernel_name  # the body's name for a pl.kernel equation (reports)
+derive_pallas_rule = infer.registration  # what inference derives for a pallas_call equation (audit)
 SUPPORTED = ((0, 4, 28), (0, 13))
 SUPPORTED_TEXT = ">=0.4.28,<0.13"
 
 _lock = threading.RLock()
 lock = _lock  # held by the façade across registry changes and (de)activation
 _regime: ModuleType | None = None
-_patches: _common.Patches | None = None
-_attached: dict[object, _common.Patches] = {}  # per hooked primitive
-_strict_patches: _common.Patches | None = None
+_patches: Patches | None = None
+_attached: dict[object, Patches] = {}  # per hooked primitive
+_strict_patches: Patches | None = None
 
 
 def regime() -> ModuleType:
@@ -48,7 +70,7 @@ def regime() -> ModuleType:
 
 def _detect(version: str = JAX_VERSION) -> ModuleType:
     low, high = SUPPORTED
-    if not low <= _common.version_tuple(version) < high:
+    if not low <= _jax.version_tuple(version) < high:
         raise UnsupportedJaxError(
             f"reprules supports JAX {SUPPORTED_TEXT}, but JAX {version} is installed.\n"
             "Why: reprules works through JAX internals that move between releases, and "
@@ -57,8 +79,6 @@ def _detect(version: str = JAX_VERSION) -> ModuleType:
             "matching jaxlib), or a reprules release that supports this JAX."
         )
     # Newest first: each later regime keeps some of the older names around.
-    from reprules._shim import mat, rep, vma
-
     for module in (mat, vma, rep):
         if module.detect():
             return module
@@ -77,7 +97,7 @@ def activate() -> None:
         if _patches is not None:
             return
         module = regime()
-        patches = _common.Patches()
+        patches = Patches()
         try:
             _source.exclude_shim_frames(patches)  # sources name the user's code, not the shim
             module.install(patches)
@@ -87,96 +107,20 @@ def activate() -> None:
         _patches = patches
 
 
-def classify(target: object) -> str:
-    """What a registration target is: "pallas", "primitive", "ffi" or "triton".
-
-    Raises if this JAX cannot apply a rule to it.
-    """
-    from jax._src import core
-
-    from reprules._errors import RegistrationError
-    from reprules._registry import FfiTarget, KernelName, KernelPackage
-
-    if isinstance(target, (KernelName, KernelPackage)):
-        return "pallas"
-    if isinstance(target, FfiTarget):
-        if _common.ffi_call_p() is None:
-            raise UnsupportedJaxError(
-                f"Cannot apply a rule to FFI target {target.name!r}: JAX {JAX_VERSION} has no "
-                "ffi_call (added in JAX 0.4.31).\nWhy: the rule would never be applied, and "
-                "reprules does not fall back silently.\nFix: upgrade JAX to 0.4.31 or newer."
-            )
-        return "ffi"
-    if isinstance(target, core.Primitive):
-        return "primitive"
-    if type(target).__module__.split(".")[0] == "triton":
-        try:
-            import jax_triton  # noqa: F401
-        except ImportError as err:
-            raise RegistrationError(
-                f"Cannot apply a rule to the Triton kernel {target!r}: jax-triton is not "
-                f"importable with JAX {JAX_VERSION} ({err}).\n"
-                "Why: the rule is attached to jax-triton's triton_kernel_call primitive.\n"
-                "Fix: pip install 'reprules[triton]' (jax-triton needs a GPU-enabled jaxlib)."
-            ) from err
-        return "triton"
-    import jax
-
-    wrapped = callable(target) and (isinstance(target, (jax.custom_vjp, jax.custom_jvp)) or hasattr(target, "lower"))
-    if callable(target) and not isinstance(target, type) and not wrapped:
-        entry = _calls_entry_point(target)
-        if entry is not None:
-            name = getattr(target, "__qualname__", None) or repr(target)
-            raise RegistrationError(
-                f"Cannot register a replication rule on {name!r}: it calls {entry}, so it is the "
-                f"function that launches a kernel, not the kernel (JAX {JAX_VERSION}).\n"
-                "Why: reprules finds a rule by the kernel function JAX traces; a rule on the "
-                "launching function would never match, and the kernel would stay without one.\n"
-                f"Fix: register the kernel function passed to {entry} (the function whose "
-                "arguments are refs), e.g. `reprules.replication_rule()(my_kernel)`."
-            )
-        return "pallas"
-    raise RegistrationError(
-        f"Cannot register a replication rule on {target!r} ({type(target).__name__}): it is not "
-        "a kernel function, a primitive, an FFI target or a Triton kernel"
-        f"{' (a jax.jit / custom_vjp / custom_jvp wrapper)' if wrapped else ''}.\n"
-        "Why: a rule describes the outputs of one opaque kernel.\n"
-        "Fix: register the function passed to pl.pallas_call, a jax.extend.core.Primitive, "
-        "reprules.ffi_target(name), or the Triton kernel passed to jax_triton.triton_call."
-    )
-
-
-_ENTRY_POINTS = ("pallas_call", "core_map", "triton_call", "ffi_call")
-
-
-def _calls_entry_point(fn: object) -> str | None:
-    """The kernel entry point (``pallas_call`` ...) that ``fn``'s code names, if any:
-    a kernel body never launches a kernel, so such a function is a wrapper."""
-    code = _common.code_of(fn)
-    pending = [code] if code is not None else []
-    while pending:
-        code = pending.pop()
-        for name in code.co_names:
-            if name in _ENTRY_POINTS:
-                return f"pl.{name}" if name in ("pallas_call", "core_map") else name
-        pending.extend(c for c in code.co_consts if hasattr(c, "co_names"))
-    return None
-
-
 def attach(target: object) -> None:
     """Installs the per-primitive hooks a registration target needs."""
     with _lock:
         activate()
         kind = classify(target)
         if kind == "primitive":
-            op = _common.primitive_opaque(target)
+            op = _rules.primitive_opaque(target)
         elif kind == "triton":
-            op = _common.triton_opaque()
+            op = _rules.triton_opaque()
         else:
             return  # Pallas kernels and FFI targets use the hooks of activate()
         if op.prim in _attached:
             return
-        patches = _common.Patches()
+        patches = Patches()
         try:
             regime().attach(op, patches)
         except BaseException:
@@ -203,7 +147,7 @@ def deactivate() -> None:
         _undo_each(pending)
 
 
-def _undo_each(pending: list[_common.Patches]) -> None:
+def _undo_each(pending: list[Patches]) -> None:
     """Undoes every one, even if a PatchWarning is raised as an error (``-W error``)."""
     try:
         if pending:
@@ -219,13 +163,11 @@ def sync_strict() -> None:
     Only the vma and mat regimes need it: JAX <= 0.5 refuses rule-less primitives itself.
     """
     global _strict_patches
-    from reprules import _mode_state
-
     with _lock:
         module = regime()
         want = _mode_state.strict_on() and hasattr(module, "install_strict")
         if want and _strict_patches is None:
-            _strict_patches = _common.Patches()
+            _strict_patches = Patches()
             module.install_strict(_strict_patches)
         elif not want and _strict_patches is not None:
             patches, _strict_patches = _strict_patches, None
@@ -236,17 +178,20 @@ def active() -> bool:
     return _patches is not None
 
 
+def held_patches() -> list[tuple[str, bool]]:
+    """``(what JAX object, still in place)`` for every live reprules patch."""
+    with _lock:
+        groups = [p for p in (_patches, _strict_patches, *_attached.values()) if p is not None]
+        return [entry for patches in groups for entry in patches.held()]
+
+
 def clear_jax_caches() -> None:
     """``jax.clear_caches()``, safe against threads that trace meanwhile.
 
     JAX iterates a WeakSet of its caches while clearing; a thread that creates
     a cache at that moment makes it raise "Set changed size during iteration"
     (seen on 0.6.2). Clearing is idempotent, so it is simply done again."""
-    import jax
-
-    from reprules._shim import custom_vjp
-
-    custom_vjp.clear_traces()
+    _bwd_trace.clear_traces()
     for attempt in range(8):
         try:
             jax.clear_caches()

@@ -39,9 +39,8 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from jax._src import source_info_util
-
-from reprules._shim import _common
+from reprules._shim._jax import source_info_util
+from reprules._shim._patches import Patches
 
 ADDED_SCOPE = "reprules_added"
 """The name-stack scope of every equation :func:`added_in` makes (it shows in
@@ -56,7 +55,7 @@ class _Site(NamedTuple):
     name: str
 
 
-def exclude_shim_frames(patches: _common.Patches) -> None:
+def exclude_shim_frames(patches: Patches) -> None:
     """Makes JAX skip the shim's frames when it looks for the user's code, until
     ``patches`` are undone (JAX >= 0.4.28: ``register_exclusion`` clears its caches)."""
     paths: list[str] = source_info_util._exclude_paths

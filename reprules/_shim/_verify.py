@@ -26,11 +26,21 @@ import numpy as np
 
 from reprules._errors import ReplicationMismatchError, fmt_axes
 from reprules._registry import Registration
-from reprules._shim import _common
+from reprules import _mode_state
+from reprules._shim import _jax
+from reprules._shim._types import TypeField, cast_up_tuple, manual_axes
 
 _lock = threading.Lock()
 # The largest difference seen per (kernel, output, axis) since the last take.
 _largest: dict[tuple[str, int, str], tuple[tuple[float, int], str]] = {}
+
+
+def check_outputs(field: TypeField, reg: Registration, outs: Sequence[Any]) -> None:
+    """Under ``reprules.verify()`` (vma and mat eras): checks ``outs`` of one call of
+    ``reg``'s kernel, each replicated over the manual axes its type says."""
+    if _mode_state.verifying():
+        varying = [field.varying(jax.typeof(o)) for o in outs]
+        insert_checks(reg, outs, varying, manual_axes(), cast_up_tuple)
 
 
 def insert_checks(
@@ -93,7 +103,7 @@ def _report(kernel: str, rule: str, index: int, axis: str, mesh_axes: tuple[str,
     message = (
         f"Verify mode: output {index} of kernel {kernel!r} is declared replicated over mesh axis "
         f"{axis!r} by its rule {rule}, but it differs across {axis!r}{how} "
-        f"(mesh axes {fmt_axes(mesh_axes)}, JAX {_common.JAX_VERSION}).\n"
+        f"(mesh axes {fmt_axes(mesh_axes)}, JAX {_jax.JAX_VERSION}).\n"
         "Why: the rule promises JAX a replication the kernel does not deliver; JAX then skips "
         "collectives and gradients or out_specs=P() results are silently wrong.\n"
         f"Fix: make the rule say the output varies over {axis!r} (e.g. rules.same() instead of "

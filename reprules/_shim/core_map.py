@@ -1,6 +1,6 @@
 """Rules for Pallas' second entry point: ``pl.kernel`` and ``pl.core_map`` (vma and mat regimes).
 
-``pl.pallas_call`` binds ``pallas_call_p`` (see ``_common``). ``pl.kernel``
+``pl.pallas_call`` binds ``pallas_call_p`` (see ``pallas_call``). ``pl.kernel``
 (JAX 0.8+) and ``pl.core_map`` (0.4.38+) bind other primitives, and a rule is
 registered on the kernel *body* (the function passed to ``pl.kernel``), found
 by identity when a call is traced, however early the ``pl.kernel`` object was
@@ -56,276 +56,46 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import jax
 
 from reprules import _errors, _mode_state
 from reprules._decide import decide
-from reprules._registry import Registration, has_packages, lookup
-from reprules._shim import _common, infer, vma
+from reprules._registry import Registration, kernel_name, lookup
+from reprules._shim import _bodies, _frames, _jax, _kernels, _rules, _verify, infer
+from reprules._shim._patches import Patches
+from reprules._shim._rules import kernel_registration_of
+from reprules._shim._types import TypeField, cast_up, checking, manual_axes
 from reprules.rules import Decision
-
-# --- the code objects that identify JAX's closures -------------------------------
-
-
-def _nested_code(function: Any, name: str) -> CodeType | None:
-    """The code object of the function ``name`` defined directly inside ``function``."""
-    code = getattr(function, "__code__", None)
-    for const in getattr(code, "co_consts", ()):
-        if isinstance(const, CodeType) and const.co_name == name:
-            return const
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Codes:
-    """Where reprules finds a kernel body while its call is traced (None: absent here)."""
-
-    core_map_wrapped: CodeType | None  # pallas core.core_map.<locals>.wrapped (0.4.38+)
-    kernel_wrapper: CodeType | None  # helpers._make_kernel.<locals>.wrapper (0.8 - 0.9)
-    kernel_out_ref: CodeType | None  # its `lambda out: jax_core.new_ref(lax.empty(...))`
-    mpmd_wrapper: CodeType | None  # mpmd._mpmd_map.<locals>.wrapper (0.10+)
-
-
-def _find_codes() -> _Codes:
-    from jax._src.pallas import core as pallas_core
-
-    wrapped = _nested_code(getattr(pallas_core, "core_map", None), "wrapped")
-    kernel_wrapper = out_ref = mpmd_wrapper = None
-    import importlib
-
-    try:  # 0.8+
-        helpers: Any = importlib.import_module("jax._src.pallas.helpers")
-    except ImportError:  # JAX < 0.8: no pl.kernel
-        helpers = None
-    if helpers is not None and hasattr(helpers, "_make_kernel"):  # 0.8 - 0.9
-        kernel_wrapper = _nested_code(helpers._make_kernel, "wrapper")
-        lambdas = [
-            c for c in getattr(kernel_wrapper, "co_consts", ())
-            if isinstance(c, CodeType) and c.co_name == "<lambda>" and "new_ref" in c.co_names
-        ]
-        out_ref = lambdas[0] if len(lambdas) == 1 else None
-    try:  # 0.9+ has the module; pl.kernel uses it from 0.10
-        mpmd: Any = importlib.import_module("jax._src.pallas.mpmd")
-    except ImportError:
-        mpmd = None
-    if mpmd is not None and helpers is not None and not hasattr(helpers, "_make_kernel"):
-        mpmd_wrapper = _nested_code(getattr(mpmd, "_mpmd_map", None), "wrapper")
-    return _Codes(wrapped, kernel_wrapper, out_ref, mpmd_wrapper)
-
-
-def _caller(depth: int = 2) -> FrameType | None:
-    """The innermost frame outside reprules, starting ``depth`` frames up."""
-    frame: FrameType | None = sys._getframe(depth)
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("reprules."):
-        frame = frame.f_back
-    return frame
-
-
-def _locals(frame: FrameType) -> dict[str, Any]:
-    # A running function frame's f_locals is a snapshot that includes its free
-    # variables (the closure's `body`, `out_shape`, `meshes_and_fns`).
-    return dict(frame.f_locals)
-
-
-# --- which equations belong to registered bodies (reports, strict mode, custom_vjp) ---
-
-_by_jaxpr: weakref.WeakKeyDictionary[Any, Callable[[], Any]] = weakref.WeakKeyDictionary()
-_by_jaxpr_lock = threading.Lock()
-_primitives: dict[int, str] = {}  # id(primitive) -> "core_map" / "mpmd_map", filled at install
-
-
-def _remember(jaxprs: Sequence[Any], body: Any) -> None:
-    try:
-        ref = weakref.ref(body)
-    except TypeError:
-        return
-    with _by_jaxpr_lock:
-        for jaxpr in jaxprs:
-            for item in (jaxpr, getattr(jaxpr, "jaxpr", None)):
-                if item is not None and hasattr(item, "eqns"):
-                    _by_jaxpr[item] = ref
-
-
-def _eqn_jaxprs(params: dict[str, Any]) -> tuple[Any, ...]:
-    if "jaxprs" in params:  # mpmd_map
-        return tuple(params["jaxprs"])
-    return (params["jaxpr"],) if "jaxpr" in params else ()
-
-
-def _bodies_of(params: dict[str, Any]) -> list[Any] | None:
-    """The bodies seen for an equation's kernel jaxprs (None: reprules did not see its call)."""
-    found: list[Any] = []
-    seen = False
-    with _by_jaxpr_lock:
-        for jaxpr in _eqn_jaxprs(params):
-            ref = _by_jaxpr.get(jaxpr)
-            if ref is not None:
-                seen = True
-                body = ref()
-                if body is not None:
-                    found.append(body)
-    return found if seen else None
-
-
-def is_kernel_primitive(primitive: Any) -> bool:
-    """Whether ``primitive`` is ``core_map_p`` or ``mpmd_map_p`` (once reprules is active)."""
-    return id(primitive) in _primitives
-
-
-def registration_of(params: dict[str, Any]) -> Registration | None:
-    """The current registration behind a ``core_map`` / ``mpmd_map`` equation (its first
-    registered body), else, under ``reprules.inference()``, the rule derived for it
-    when its call was traced, or None."""
-    for body in _bodies_of(params) or ():
-        reg = lookup(body)
-        if reg is not None:
-            return reg
-    if _mode_state.inferring() or has_packages():
-        with _by_jaxpr_lock:
-            for jaxpr in _eqn_jaxprs(params):
-                found = _inferred.get(jaxpr)
-                if found is not None:
-                    return found
-    return None
-
-
-# Kernel jaxprs of pl.kernel calls typed by a derived rule -> that rule's registration.
-_inferred: weakref.WeakKeyDictionary[Any, Registration] = weakref.WeakKeyDictionary()
-
-
-def _remember_inferred(jaxprs: Sequence[Any], reg: Registration) -> None:
-    with _by_jaxpr_lock:
-        for jaxpr in jaxprs:
-            try:
-                _inferred[jaxpr] = reg
-            except TypeError:  # not weak-referenceable
-                pass
-
-
-def kernel_name(params: dict[str, Any]) -> str:
-    """The body's name for an equation (the registered body's, else the first seen, else JAX's)."""
-    reg = registration_of(params)
-    if reg is not None:
-        return reg.name
-    from reprules._registry import kernel_name as name_of
-
-    # A body from JAX's own modules is a wrapper JAX made (a discharged core_map's
-    # 'body'); the name JAX passed on is then the user's.
-    bodies = [b for b in _bodies_of(params) or () if not (getattr(b, "__module__", None) or "").startswith("jax.")]
-    if bodies:
-        return name_of(bodies[0])
-    if params.get("name"):
-        return str(params["name"])
-    for jaxpr in _eqn_jaxprs(params):
-        src = getattr(getattr(jaxpr, "debug_info", None), "func_src_info", None)
-        if src:
-            return str(src).split(" ")[0]
-    return "pl.kernel"
-
-
-def identify(primitive: Any, params: dict[str, Any]) -> _common.Identity | None:
-    """``_common.identify`` for ``core_map`` / ``mpmd_map`` equations (None: another primitive)."""
-    if not is_kernel_primitive(primitive):
-        return None
-    from reprules._registry import registrations
-
-    site = ""
-    for jaxpr in _eqn_jaxprs(params):
-        src = str(getattr(getattr(jaxpr, "debug_info", None), "func_src_info", None) or "")
-        if " at " in src and "helpers.py" not in src:  # the body's own site (mpmd), not JAX's closure
-            site = src.split(" at ", 1)[1]
-            break
-    bodies = _bodies_of(params)
-    if bodies is not None:
-        reg = registration_of(params)
-        body = reg.kernel() if reg is not None else (bodies[0] if bodies else None)
-        return _common.Identity(reg, site=site or _definition_site(body))
-    name = kernel_name(params)
-    candidates = tuple(
-        reg.where for reg in registrations() if reg.name == name and callable(reg.kernel())
-    )
-    return _common.Identity(None, identified=not candidates, candidates=candidates, site=site)
-
-
-def collective_axes(eqn: Any, scan: Callable[[Any], frozenset[str]]) -> frozenset[str]:
-    """``scan(eqn)`` (custom_vjp's conservative look for collectives in an equation),
-    except for a registered 0.8 - 0.9 ``pl.kernel`` call: there the casts reprules
-    made inside JAX's ``jax.jit`` closure (the top-level ``pvary``s: inputs cast
-    up, output refs made varying) are left out. They are what a ``pallas_call``'s
-    casts are outside its equation, and are judged the same way: a cotangent
-    input replicated over an axis the call's outputs vary over taints them."""
-    if eqn.primitive.name not in ("pjit", "jit"):
-        return scan(eqn)
-    from jax._src import core
-
-    closed = eqn.params.get("jaxpr")
-    inner: Any = getattr(closed, "jaxpr", None)
-    pvary_p = getattr(core, "pvary_p", None)
-    if pvary_p is None or not hasattr(inner, "eqns") or not _calls_registered_core_map(inner):
-        return scan(eqn)
-    return frozenset().union(*(scan(e) for e in inner.eqns if e.primitive is not pvary_p))
-
-
-def _calls_registered_core_map(jaxpr: Any) -> bool:
-    return any(
-        is_kernel_primitive(e.primitive) and _primitives[id(e.primitive)] == "core_map"
-        and registration_of(e.params) is not None
-        for e in jaxpr.eqns
-    )
-
-
-def _definition_site(body: Any) -> str:
-    """``file:line`` where ``body`` (or the function a partial wraps) is defined, or ``""``."""
-    code = _common.code_of(body)
-    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
-
-
-def opaque(primitive: Any) -> _common.Opaque | None:
-    """How strict mode describes a ``core_map`` / ``mpmd_map`` equation (None: another primitive)."""
-    if not is_kernel_primitive(primitive):
-        return None
-    return _common.Opaque(
-        prim=primitive,
-        kind="Pallas kernel",
-        lookup=registration_of,
-        name=kernel_name,
-        layout=lambda params, n: (0, None),
-    )
-
 
 # --- the hooks ------------------------------------------------------------------------
 
 
-def install(patches: _common.Patches, regime: vma.Regime) -> None:
+def install(patches: Patches, field: TypeField) -> None:
     """Installs the ``pl.kernel`` / ``pl.core_map`` hooks of this JAX (vma and mat regimes)."""
-    codes = _find_codes()
-    hooks = _Hooks(regime, codes)
-    from jax._src.pallas import core as pallas_core
-
+    codes = _bodies.find_codes()
+    hooks = _Hooks(field, codes)
+    pallas_core = _jax.module("jax._src.pallas.core")
     core_map_p: Any = getattr(pallas_core, "core_map_p", None)
     if core_map_p is not None and codes.core_map_wrapped is not None:
-        _primitives[id(core_map_p)] = "core_map"
+        _bodies.mark_kernel_primitive(core_map_p, "core_map")
         patches.setattr(core_map_p, "bind", hooks.core_map_bind(functools.partial(type(core_map_p).bind, core_map_p)))
     if codes.kernel_wrapper is not None and codes.kernel_out_ref is not None:  # 0.8 - 0.9
-        from jax._src import core
-        from jax._src.state import discharge
-
+        core, discharge = _jax.core, _jax.module("jax._src.state.discharge")
         patches.setattr(core, "new_ref", hooks.new_ref(core.new_ref))
         rule = discharge._discharge_rules.get(core_map_p)
         if rule is not None:
             patches.setitem(discharge._discharge_rules, core_map_p, hooks.discharge(rule),
                             label="jax._src.state.discharge._discharge_rules[core_map]")
-    mpmd: Any = sys.modules.get("jax._src.pallas.mpmd")  # 0.9+, imported by _find_codes
+    mpmd = _jax.loaded("jax._src.pallas.mpmd")  # 0.9+, imported by find_codes
     if mpmd is not None:  # 0.9: core_map's discharge binds it; 0.10+: pl.kernel, 0.11+: pl.core_map
         prim = mpmd.mpmd_map_p
-        _primitives[id(prim)] = "mpmd_map"
+        _bodies.mark_kernel_primitive(prim, "mpmd_map")
         patches.setattr(prim, "bind", hooks.mpmd_bind(functools.partial(type(prim).bind, prim)))
     if codes.mpmd_wrapper is not None and mpmd is not None:  # 0.10+
         patches.setattr(mpmd, "_mpmd_map", hooks.make(mpmd._mpmd_map))
@@ -383,15 +153,14 @@ _discharging_inferred: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 
 class _Hooks:
-    def __init__(self, regime: vma.Regime, codes: _Codes) -> None:
-        self.regime = regime
-        self.field = regime.field
+    def __init__(self, field: TypeField, codes: _bodies.Codes) -> None:
+        self.field = field
         self.codes = codes
 
     # -- shared --------------------------------------------------------------------
 
     def _context(self, reg: Registration, num_in: int, num_out: int) -> Any:
-        return _common.rule_context(reg, vma.manual_axes(), num_in, num_out)
+        return _rules.rule_context(reg, manual_axes(), num_in, num_out)
 
     def _in_varying(self, leaves: Sequence[Any]) -> tuple[frozenset[str], ...]:
         out = []
@@ -407,7 +176,7 @@ class _Hooks:
         codes = self.codes
 
         def new_ref(init_val: Any, *args: Any, **kwargs: Any) -> Any:
-            caller = _caller() if vma.checking() else None
+            caller = _frames.outside_reprules() if checking() else None
             if caller is None:
                 return original(init_val, *args, **kwargs)
             is_out = caller.f_code is codes.kernel_out_ref
@@ -418,7 +187,7 @@ class _Hooks:
             else:
                 while wrapper is not None and wrapper.f_code is not codes.kernel_wrapper:
                     wrapper = wrapper.f_back
-            if wrapper is None or wrapper.f_code is not codes.kernel_wrapper or not vma.manual_axes():
+            if wrapper is None or wrapper.f_code is not codes.kernel_wrapper or not manual_axes():
                 return original(init_val, *args, **kwargs)
             act = self._activation(wrapper)
             if act is None:
@@ -435,7 +204,7 @@ class _Hooks:
             # it outside: a Ref cannot be cast (pvary refuses one), and the rule's output
             # types do not need it to be (the output refs carry them).
             if target - now and not _is_ref(init_val):
-                init_val = vma.cast_up(init_val, target - now)
+                init_val = cast_up(init_val, target - now)
             return original(init_val, *args, **kwargs)
 
         return new_ref
@@ -445,15 +214,13 @@ class _Hooks:
         """0.8 - 0.9: JAX alone types a rule-less pl.kernel's outputs replicated, whatever
         its body writes. Under inference that would be a rule nobody proved, so a body
         inference cannot prove is refused, saying why."""
-        from reprules._registry import kernel_name as name_of
-
-        name, axes = name_of(local.get("body")), vma.manual_axes()
+        name, axes = kernel_name(local.get("body")), manual_axes()
         return _errors.MissingRuleError(_errors.missing_rule_message(
-            name, axes, _common.JAX_VERSION,
-            jax_error=f"none: JAX {_common.JAX_VERSION} types every output of a pl.kernel "
+            name, axes, _jax.JAX_VERSION,
+            jax_error=f"none: JAX {_jax.JAX_VERSION} types every output of a pl.kernel "
                       "replicated, whatever its body writes; under inference reprules refuses "
                       "that rather than let an unproven type through",
-            inference=infer.refusal_text(refusal, name, axes, _common.JAX_VERSION),
+            inference=infer.refusal_text(refusal, name, axes, _jax.JAX_VERSION),
         ))
 
     def _out_target(self, act: _Activation, index: int) -> frozenset[str]:
@@ -469,23 +236,23 @@ class _Hooks:
             return acts[-1]
         if _trialing.get():  # reprules' own trace of a body, for inference
             return None
-        local = _locals(wrapper)
+        local = _frames.frame_locals(wrapper)
         reg = lookup(local.get("body"))
         operands = jax.tree_util.tree_leaves(local.get("operands", ()))
         out_leaves = jax.tree_util.tree_leaves(local.get("out_shape", ()))
         in_vary = self._in_varying(operands)
         if reg is None:
-            if not _common.infers_function(local.get("body")):
+            if not _rules.infers_function(local.get("body")):
                 return None
             found = _infer_kernel(local, len(operands), len(out_leaves))
             if not isinstance(found, Registration):
                 raise self._refusal(local, found)
             reg = found
         decision = decide(reg, self._context(reg, len(in_vary), len(out_leaves)), in_vary)
-        _common.note_registered_call()
+        _kernels.note_registered_call()
         act = _Activation(wrapper, reg, decision, out_leaves)
         if acts:  # left by calls that raised before their core_map: dropped once finished
-            acts[:] = [a for a, live in zip(acts, _common.running([a.frame for a in acts])) if live]
+            acts[:] = [a for a, live in zip(acts, _frames.running([a.frame for a in acts])) if live]
         acts.append(act)
         del acts[: -_State.LIMIT]
         return act
@@ -496,35 +263,35 @@ class _Hooks:
         codes = self.codes
 
         def bind(*args: Any, **params: Any) -> Any:
-            wrapped = _caller()
+            wrapped = _frames.outside_reprules()
             if wrapped is None or wrapped.f_code is not codes.core_map_wrapped or _trialing.get():
                 return original(*args, **params)  # a re-bind (discharge, vmap, ...)
             outer = wrapped.f_back
             if outer is not None and codes.kernel_wrapper is not None and outer.f_code is codes.kernel_wrapper:
                 return self._kernel_core_map(original, outer, args, params)
-            reg = lookup(_locals(wrapped).get("f"))  # pl.core_map called directly
-            if reg is not None and vma.checking() and vma.manual_axes():
-                raise _errors.RuleError(_core_map_message(reg, vma.manual_axes()))
+            reg = lookup(_frames.frame_locals(wrapped).get("f"))  # pl.core_map called directly
+            if reg is not None and checking() and manual_axes():
+                raise _errors.RuleError(_errors.core_map_rule_message(reg.where, repr(reg.rule), reg.name, manual_axes(), _jax.JAX_VERSION))
             return original(*args, **params)
 
         return bind
 
     def _kernel_core_map(self, original: Callable[..., Any], wrapper: FrameType,
                          args: tuple[Any, ...], params: dict[str, Any]) -> Any:
-        local = _locals(wrapper)
+        local = _frames.frame_locals(wrapper)
         body = local.get("body")
         acts = _state.activations
         act = acts.pop() if acts and acts[-1].frame is wrapper else None
         out = original(*args, **params)
         if body is not None:
-            _remember((params.get("jaxpr"),), body)
+            _bodies.remember((params.get("jaxpr"),), body)
         reg = act.reg if act is not None else lookup(body)
         if act is not None and isinstance(act.reg.rule, infer.InferredRule):
-            _remember_inferred((params.get("jaxpr"),), act.reg)
+            _bodies.remember_inferred((params.get("jaxpr"),), act.reg)
         if reg is not None and act is not None and _mode_state.verifying():
             refs = jax.tree_util.tree_leaves(local.get("out_refs", ()))
             values = [ref[...] for ref in refs]
-            self.regime._maybe_verify(reg, values)
+            _verify.check_outputs(self.field, reg, values)
         return out
 
     def discharge(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -533,7 +300,7 @@ class _Hooks:
         reports see its rule (the refs already carry the rule's types)."""
 
         def discharge(*args: Any, **params: Any) -> Any:
-            reg = registration_of(params)
+            reg = kernel_registration_of(params)
             if reg is None:
                 if not _mode_state.inferring():
                     return original(*args, **params)
@@ -544,7 +311,7 @@ class _Hooks:
                     _discharging_inferred.reset(token)
             token = _discharging.set(reg.kernel())
             try:
-                with _common.tracing(reg):
+                with _kernels.tracing(reg):
                     return original(*args, **params)
             finally:
                 _discharging.reset(token)
@@ -560,9 +327,9 @@ class _Hooks:
         def make(*args: Any, **kwargs: Any) -> Any:
             fns = [fn for _, fn in (args[0] if args else kwargs.get("meshes_and_fns", ()))]
             out_types = args[1] if len(args) > 1 else kwargs.get("out_types", ())
-            checking = vma.checking()
+            checked = checking()
             # Under inference any body may get a rule; one refused raises at the call.
-            let = checking and any(lookup(fn) is not None or _common.infers_function(fn) for fn in fns)
+            let = checked and any(lookup(fn) is not None or _rules.infers_function(fn) for fn in fns)
             token = _letting_through.set(let)
             try:
                 wrapper = original(*args, **kwargs)
@@ -577,7 +344,7 @@ class _Hooks:
             annotated = [field.annotated(leaf) for leaf in leaves]
             record = _Outputs(
                 avals=avals,
-                honoured=tuple(checking and a for a in annotated),
+                honoured=tuple(checked and a for a in annotated),
                 let_through=tuple(
                     let and isinstance(leaf, jax.ShapeDtypeStruct) and not a for leaf, a in zip(leaves, annotated)
                 ),
@@ -594,16 +361,15 @@ class _Hooks:
         """Lets an unannotated out_shape leaf through while a kernel whose body has
         a rule is built (JAX refuses it under checking); JAX's conversion otherwise."""
         field = self.field
-        regime = self.regime
 
         def convert(out_shape: Any) -> Any:
             if (not _letting_through.get() or not isinstance(out_shape, jax.ShapeDtypeStruct)
-                    or field.annotated(out_shape) or not vma.checking()):
+                    or field.annotated(out_shape) or not checking()):
                 return original(out_shape)
-            caller = _caller()
+            caller = _frames.outside_reprules()
             if caller is None or caller.f_globals.get("__name__") != "jax._src.pallas.mpmd":
                 return original(out_shape)
-            return original(regime._annotate(out_shape, frozenset()))
+            return original(field.sds(out_shape, frozenset()))
 
         return convert
 
@@ -611,48 +377,48 @@ class _Hooks:
         codes = self.codes
 
         def bind(*args: Any, **params: Any) -> Any:
-            wrapper = _caller()
+            wrapper = _frames.outside_reprules()
             if wrapper is None or codes.mpmd_wrapper is None or wrapper.f_code is not codes.mpmd_wrapper:
                 body = _discharging.get()
                 if body is not None:  # 0.9: a registered body's core_map, discharged
-                    _remember(params.get("jaxprs", ()), body)
-                elif _discharging_inferred.get() and vma.checking() and vma.manual_axes():
+                    _bodies.remember(params.get("jaxprs", ()), body)
+                elif _discharging_inferred.get() and checking() and manual_axes():
                     self._check_discharged(params, args)  # 0.9: one without a rule, under inference
                 return original(*args, **params)  # a re-bind (discharge, vmap, lowering)
-            local = _locals(wrapper)
+            local = _frames.frame_locals(wrapper)
             fns = [fn for _, fn in local.get("meshes_and_fns", ())]
             outer = wrapper.f_back
             if outer is not None and outer.f_code is codes.core_map_wrapped:  # 0.11+: pl.core_map
                 reg = next((r for r in map(lookup, fns) if r is not None), None)
-                if reg is not None and vma.checking() and vma.manual_axes():
-                    raise _errors.RuleError(_core_map_message(reg, vma.manual_axes()))
+                if reg is not None and checking() and manual_axes():
+                    raise _errors.RuleError(_errors.core_map_rule_message(reg.where, repr(reg.rule), reg.name, manual_axes(), _jax.JAX_VERSION))
                 return original(*args, **params)
             if len(fns) == len(params.get("jaxprs", ())):
                 for fn, jaxpr in zip(fns, params["jaxprs"]):
-                    _remember((jaxpr,), fn)
+                    _bodies.remember((jaxpr,), fn)
             regs = [(fn, lookup(fn)) for fn in fns]
             registered = [(fn, reg) for fn, reg in regs if reg is not None]
             out_avals = tuple(params.get("out_avals", ()))
-            if not (vma.checking() and vma.manual_axes()):
+            if not (checking() and manual_axes()):
                 return original(*args, **params)
             made = _outputs_of(local.get("flat_out_avals"), len(out_avals))
             num_user = len(local.get("flat_args", args))
             if not registered:
-                found = _infer_mpmd(params, args) if any(map(_common.infers_function, fns)) else None
+                found = _infer_mpmd(params, args) if any(map(_rules.infers_function, fns)) else None
                 if not isinstance(found, Registration):
                     if any(made.let_through):
-                        name = kernel_name(params)
+                        name = _rules.kernel_name(params)
                         raise _errors.MissingRuleError(_errors.missing_rule_message(
-                            name, vma.manual_axes(), _common.JAX_VERSION,
+                            name, manual_axes(), _jax.JAX_VERSION,
                             jax_error="pl.kernel refuses an out_shape leaf without manual_axis_type "
                                       "under check_vma (reprules let it through for a body with a "
                                       "rule, or under reprules.inference(), when the kernel was built)",
                             inference="" if found is None else infer.refusal_text(
-                                found, name, vma.manual_axes(), _common.JAX_VERSION),
+                                found, name, manual_axes(), _jax.JAX_VERSION),
                         ))
                     return original(*args, **params)
                 registered = [(None, found)]
-                _remember_inferred(params.get("jaxprs", ()), found)
+                _bodies.remember_inferred(params.get("jaxprs", ()), found)
                 num_user = len(args)  # a derived rule is given every operand, captured ones too
             user, rest = args[:num_user], args[num_user:]
             in_vary = self._in_varying(user)
@@ -666,16 +432,16 @@ class _Hooks:
             if decision.inputs is not None:
                 for i, (x, now, target) in enumerate(zip(user, in_vary, decision.inputs)):
                     if target - now and not _is_ref(x):
-                        cast[i] = vma.cast_up(x, target - now)
+                        cast[i] = cast_up(x, target - now)
             # Typed by the rule unless the user's annotation made the type. For a kernel
             # object built before reprules activated, only a varying type shows one.
             typed = tuple(
                 a if honoured or (not let and self.field.varying(a)) else self.field.retype(a, v)
                 for a, v, honoured, let in zip(out_avals, decision.outputs, made.honoured, made.let_through)
             )
-            with _common.tracing(reg):
+            with _kernels.tracing(reg):
                 out = original(*cast, *rest, **{**params, "out_avals": typed})
-            self.regime._maybe_verify(reg, list(out))
+            _verify.check_outputs(self.field, reg, list(out))
             return out
 
         return bind
@@ -702,8 +468,8 @@ class _Hooks:
             missing = needed - self.field.varying(aval)
             if keep and missing:
                 raise _errors.RuleError(_errors.annotation_message(
-                    f"pl.kernel (or pl.core_map) body {reg.name!r}", i, missing, needed, vma.manual_axes(),
-                    _common.JAX_VERSION, aliased.get(i),
+                    f"pl.kernel (or pl.core_map) body {reg.name!r}", i, missing, needed, manual_axes(),
+                    _jax.JAX_VERSION, aliased.get(i),
                 ))
 
     def _agreed(self, registered: list[tuple[Any, Registration]], num_bodies: int,
@@ -714,7 +480,9 @@ class _Hooks:
         ]
         first = decisions[0][1]
         if any(d != first for _, d in decisions[1:]):
-            raise _errors.RuleError(_mpmd_message(decisions, num_bodies, vma.manual_axes()))
+            answers = [(reg.where, repr(reg.rule), d.outputs, d.inputs) for reg, d in decisions]
+            raise _errors.RuleError(
+                _errors.mpmd_disagreement_message(answers, num_bodies, manual_axes(), _jax.JAX_VERSION))
         return first
 
 
@@ -739,7 +507,7 @@ def _infer_mpmd(params: dict[str, Any], args: Sequence[Any]) -> Registration | i
         return infer.for_kernel_bodies(jaxprs, roles, num_in, num_out, aliases, kernel_axes)
 
     key = ("mpmd_map", is_ref, num_out, tuple(sorted(aliases.items())), kernel_axes)
-    return infer.kernel_registration(jaxprs, key, kernel_name(params), derive)
+    return infer.kernel_registration(jaxprs, key, _rules.kernel_name(params), derive)
 
 
 # Set while reprules traces a pl.kernel body itself (0.8 - 0.9 inference): its hooks stand aside.
@@ -753,16 +521,9 @@ def _infer_kernel(local: dict[str, Any], num_in: int, num_out: int) -> Registrat
     them, so the body is traced here first, as JAX would trace it (the same
     ``_make_kernel``, on the operands' shapes, with checking off: only the
     dataflow is read), and its ``core_map`` body is analysed."""
-    import importlib
-
-    from jax._src import config
-
-    from reprules._registry import kernel_name as name_of
-
-    helpers: Any = importlib.import_module("jax._src.pallas.helpers")  # 0.8+
-
+    helpers = _jax.module("jax._src.pallas.helpers")  # 0.8+
     body = local.get("body")
-    name = name_of(body)
+    name = kernel_name(body)
     avals = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype),
                                    tuple(local.get("operands", ())))
     token = _trialing.set(True)
@@ -772,7 +533,7 @@ def _infer_kernel(local: dict[str, Any], num_in: int, num_out: int) -> Registrat
             scratch_shapes=local.get("scratch_shapes", ()), name=local.get("name"),
             **(local.get("mesh_kwargs") or {}),
         )
-        with config._check_vma(False):
+        with _jax.config._check_vma(False):
             closed = jax.make_jaxpr(made)(*avals)
     except Exception as err:  # noqa: BLE001 - the real trace will raise it again, or not
         return infer.Refusal("pl.kernel", f"could not be traced by reprules ({type(err).__name__}: "
@@ -834,36 +595,3 @@ def _outputs_of(avals: Any, count: int) -> _Outputs:
 
 def _is_ref(x: Any) -> bool:
     return hasattr(jax.typeof(x), "inner_aval")
-
-
-def _core_map_message(reg: Registration, mesh_axes: Sequence[str]) -> str:
-    return (
-        f"The function {reg.where!r} passed to pl.core_map has the replication rule {reg.rule!r}, "
-        "but reprules cannot apply a rule to pl.core_map "
-        f"(mesh axes {_errors.fmt_axes(mesh_axes)}, JAX {_common.JAX_VERSION}).\n"
-        "Why: pl.core_map has no outputs. It writes into refs its caller made, and JAX types them "
-        "by the values they were made from; a rule cannot change those types, and ignoring it "
-        "silently could hide a wrong one.\n"
-        "Fix: call the body through pl.kernel(body, out_shape=..., mesh=...) (JAX 0.8+), with the "
-        "rule on the body, or make the output refs from values that vary as the outputs do "
-        "(cast them up with jax.lax.pvary / jax.lax.pcast(..., to='varying') before "
-        f"jax.new_ref) and remove the rule: reprules.unregister({reg.name})."
-    )
-
-
-def _mpmd_message(decisions: list[tuple[Registration, Decision]], num_bodies: int,
-                  mesh_axes: Sequence[str]) -> str:
-    lines = "\n".join(
-        f"  - {reg.where!r} (rule {reg.rule!r}): outputs vary over "
-        f"{[sorted(o) for o in d.outputs]}, inputs cast to "
-        f"{'as they are' if d.inputs is None else [sorted(i) for i in d.inputs]}"
-        for reg, d in decisions
-    )
-    return (
-        f"The MPMD pl.kernel with {num_bodies} bodies has registered bodies whose replication "
-        f"rules disagree (mesh axes {_errors.fmt_axes(mesh_axes)}, JAX {_common.JAX_VERSION}):\n"
-        f"{lines}\n"
-        "Why: the bodies run as one kernel with one set of outputs, so reprules types them by "
-        "the rule of its registered bodies, which must give the same answer.\n"
-        "Fix: register the same rule on every body (or on one of them)."
-    )

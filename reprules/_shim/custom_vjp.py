@@ -7,7 +7,7 @@ psums it, but only where that is provably exact and only for ``custom_vjp``s
 that involve a registered kernel:
 
 * **Which ``custom_vjp``s.** One whose fwd or bwd, while being traced, calls a
-  kernel that has a rule (``_common.note_registered_call``). Every other
+  kernel that has a rule (``_kernels.note_registered_call``). Every other
   ``custom_vjp`` runs exactly as with JAX alone, JAX's refusals included. The
   fwd is always traced before the bwd runs, so the bwd knows.
 * **When the psum is exact.** Judged from the bwd's equations: those its run
@@ -34,41 +34,35 @@ accumulators rather than returning them; reprules leaves those to JAX.
 
 from __future__ import annotations
 
-import collections
 import contextvars
 import dataclasses
 import functools
 import inspect
-import threading
-import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import numpy as np
-from jax._src import api_util, config, core, source_info_util
-from jax._src import linear_util as lu
-from jax._src.interpreters import partial_eval as pe
 
-from reprules import _errors, _mode_state
-from reprules._registry import generation
-from reprules._shim import _common, _source, vma  # vma imports this module too: names are read at call time
-
-Field = Any  # vma.TypeField: reads the varying axes of a type
+from reprules import _errors
+from reprules._shim import _bwd_trace, _jax, _kernels, _rules, _source, _taint, _types
+from reprules._shim._bwd_trace import BwdArgs, Staged
+from reprules._shim._jax import core
+from reprules._shim._patches import Patches
+from reprules._shim._types import TypeField
 
 
 @dataclasses.dataclass
-class _Call:
+class Call:
     """One call of a ``custom_vjp`` function: what its bwd needs to know."""
 
     fun: Any  # the decorated function: its names are read only for an error message
     bwd: Any  # the user's bwd: what reprules adds to its cotangents is attributed to it
     static: frozenset[int]  # nondiff_argnums: no cotangent is returned for these
     with_logs: bool
-    watch: _common.Watch = dataclasses.field(default_factory=_common.Watch)
+    watch: _kernels.Watch = dataclasses.field(default_factory=_kernels.Watch)
     primal_types: tuple[Any, ...] | None = None  # per differentiable argument, a pytree of types
     # The fwd's arguments, flattened (arrays as their types), and their tree: read only
-    # on the rare path that traces the fwd again (_fwd_involves_registered).
+    # on the rare path that traces the fwd again (fwd_involves_registered).
     fwd_leaves: list[Any] = dataclasses.field(default_factory=list)
     fwd_tree: Any = None
 
@@ -92,16 +86,11 @@ class _Call:
         self.fwd_leaves, self.fwd_tree = [t or x for t, x in zip(types, flat)], tree
 
 
-def install(patches: _common.Patches, field: Field) -> None:
-    from jax._src import custom_derivatives
-
-    classes: list[tuple[Any, str]] = [(custom_derivatives.custom_vjp, "nondiff_argnums")]
-    try:  # 0.9.1+: the jax_custom_vjp3 implementation
-        from jax._src.hijax import custom_vjp3
-
+def install(patches: Patches, field: TypeField) -> None:
+    classes: list[tuple[Any, str]] = [(_jax.module("jax._src.custom_derivatives").custom_vjp, "nondiff_argnums")]
+    custom_vjp3 = getattr(_jax.module("jax._src.hijax"), "custom_vjp3", None)  # 0.9.1+: jax_custom_vjp3
+    if custom_vjp3 is not None:
         classes.append((custom_vjp3, "static_argnums"))
-    except ImportError:
-        pass
     for cls, static_attr in classes:
         patches.setattr(cls, "__call__", _wrap_call(cls.__call__, static_attr, field))
     _install_psum_batching_fix(patches)
@@ -114,12 +103,10 @@ def install(patches: _common.Patches, field: Field) -> None:
 _own_psum: contextvars.ContextVar[bool] = contextvars.ContextVar("reprules_own_psum", default=False)
 
 
-def _install_psum_batching_fix(patches: _common.Patches) -> None:
-    if _common.version_tuple()[:2] != (0, 8):
+def _install_psum_batching_fix(patches: Patches) -> None:
+    if _jax.version_tuple()[:2] != (0, 8):
         return
-    from jax._src.interpreters import batching
-    from jax._src.lax import parallel
-
+    batching, parallel = _jax.module("jax._src.interpreters.batching"), _jax.module("jax._src.lax.parallel")
     prim = parallel.psum_invariant_p
     original = batching.fancy_primitive_batchers[prim]
 
@@ -136,12 +123,12 @@ def _install_psum_batching_fix(patches: _common.Patches) -> None:
 def _psum(x: Any, axes: frozenset[str]) -> Any:
     token = _own_psum.set(True)
     try:
-        return vma.psum(x, axes)
+        return _types.psum(x, axes)
     finally:
         _own_psum.reset(token)
 
 
-def _wrap_call(original: Callable[..., Any], static_attr: str, field: Field) -> Callable[..., Any]:
+def _wrap_call(original: Callable[..., Any], static_attr: str, field: TypeField) -> Callable[..., Any]:
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         fwd, bwd = getattr(self, "fwd", None), getattr(self, "bwd", None)
@@ -151,7 +138,7 @@ def _wrap_call(original: Callable[..., Any], static_attr: str, field: Field) -> 
             # Wrapped already: 0.12's custom_vjp.__call__ hands its (wrapped) fwd
             # and bwd to the jax_custom_vjp3 implementation, which is patched too.
             return original(self, *args, **kwargs)
-        call = _Call(
+        call = Call(
             fun=getattr(self, "fun", None) or getattr(self, "f", None),
             bwd=bwd,
             static=frozenset(getattr(self, static_attr, ()) or ()),
@@ -166,11 +153,11 @@ def _wrap_call(original: Callable[..., Any], static_attr: str, field: Field) -> 
     return __call__
 
 
-def _watched_fwd(fwd: Callable[..., Any], call: _Call) -> Callable[..., Any]:
+def _watched_fwd(fwd: Callable[..., Any], call: Call) -> Callable[..., Any]:
     @_wraps(fwd)
     def watched(*args: Any) -> Any:
         call.record_args(args, _type_of)
-        with _common.watching(call.watch):
+        with _kernels.watching(call.watch):
             return fwd(*args)
 
     return watched
@@ -199,17 +186,17 @@ def _type_of(x: Any) -> Any:
         return None
 
 
-def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: _Call, field: Field) -> Callable[..., Any]:
+def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: Call, field: TypeField) -> Callable[..., Any]:
     @_wraps(bwd)
     def fixed(*args: Any) -> Any:
-        if not vma.checking():  # no types to fix: exactly what JAX alone does
+        if not _types.checking():  # no types to fix: exactly what JAX alone does
             return bwd(*args)
-        bwd_args = _BwdArgs.of(args, call)
-        staged = _Staged.open(bwd_args)  # None: the bwd's equations cannot be read where they are staged
+        bwd_args = BwdArgs.of(args, call)
+        staged = Staged.open(bwd_args)  # None: the bwd's equations cannot be read where they are staged
         if call.watch.involved:  # the fwd traced a registered kernel's call
             return _traced_and_fixed(bwd, call, field, bwd_args, staged)
-        own = _common.Watch()
-        with _common.watching(own):
+        own = _kernels.Watch()
+        with _kernels.watching(own):
             out = bwd(*args)
         if not _mistyped(out, call, field):
             return out  # nothing to fix: exactly what JAX alone does
@@ -217,10 +204,10 @@ def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: _Call, fi
         # is involved: one the bwd traced, or one in the fwd's or the bwd's
         # jaxpr (a cached trace is reused without tracing the kernel again).
         if staged is not None:  # the bwd's equations are there to read: no second trace
-            if own.involved or _fwd_involves_registered(fwd, call) or staged.calls_registered():
+            if own.involved or fwd_involves_registered(fwd, call) or staged.calls_registered():
                 return _fixed_cts(out, staged.taints(out, bwd_args, field), call, field)
             return out  # JAX's own refusal stands
-        if own.involved or _fwd_involves_registered(fwd, call):
+        if own.involved or fwd_involves_registered(fwd, call):
             return _traced_and_fixed(bwd, call, field, bwd_args, None)
         fixed_out = _traced_and_fixed(bwd, call, field, bwd_args, None, only_if_registered=True)
         return out if fixed_out is None else fixed_out  # None: JAX's own refusal stands
@@ -229,7 +216,7 @@ def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: _Call, fi
     return fixed
 
 
-def _fwd_involves_registered(fwd: Callable[..., Any], call: _Call) -> bool:
+def fwd_involves_registered(fwd: Callable[..., Any], call: Call) -> bool:
     flat, tree = call.fwd_leaves, call.fwd_tree
     dynamic = [i for i, x in enumerate(flat) if isinstance(x, core.AbstractValue)]
 
@@ -239,22 +226,22 @@ def _fwd_involves_registered(fwd: Callable[..., Any], call: _Call) -> bool:
             leaves[i] = x
         return fwd(*jax.tree_util.tree_unflatten(tree, leaves))
 
-    watch = _common.Watch()
+    watch = _kernels.Watch()
     try:
-        with _common.watching(watch):
+        with _kernels.watching(watch):
             closed = jax.make_jaxpr(flat_fwd)(*[flat[i] for i in dynamic])
     except Exception:  # noqa: BLE001 - e.g. symbolic-zeros primals: cannot tell, so JAX decides
         return watch.involved
-    return watch.involved or _common.jaxpr_calls_registered(closed.jaxpr)
+    return watch.involved or _rules.jaxpr_calls_registered(closed.jaxpr)
 
 
-def _split_logs(out: Any, call: _Call) -> tuple[Any, Any]:
+def _split_logs(out: Any, call: Call) -> tuple[Any, Any]:
     if call.with_logs and isinstance(out, (tuple, list)) and len(out) == 2:
         return out[0], out[1]
     return out, None
 
 
-def _cts_and_types(out: Any, call: _Call) -> list[tuple[Any, Any]] | None:
+def _cts_and_types(out: Any, call: Call) -> list[tuple[Any, Any]] | None:
     """(cotangent leaf, primal type) pairs, or None for a malformed output
     (JAX's own check then reports it)."""
     cts, _ = _split_logs(out, call)
@@ -272,14 +259,14 @@ def _cts_and_types(out: Any, call: _Call) -> list[tuple[Any, Any]] | None:
     return pairs
 
 
-def _ct_varying(field: Field, ct: Any) -> frozenset[str]:
+def _ct_varying(field: TypeField, ct: Any) -> frozenset[str]:
     try:
         return field.varying(jax.typeof(ct)) if ct is not None else frozenset()
     except TypeError:  # not a JAX value: JAX's own check reports it
         return frozenset()
 
 
-def _mistyped(out: Any, call: _Call, field: Field) -> bool:
+def _mistyped(out: Any, call: Call, field: TypeField) -> bool:
     """Whether a cotangent of ``out`` has other varying axes than its primal: more
     (JAX refuses it from 0.6.2; psummed where exact), or, for an array, fewer
     (JAX refuses it from 0.8), as when a kernel's rule types its output
@@ -297,45 +284,8 @@ def _mistyped(out: Any, call: _Call, field: Field) -> bool:
     return False
 
 
-class _BwdArgs(NamedTuple):
-    """A bwd's arguments, flattened. Arrays in the residuals and cotangents are
-    traced (``dynamic``: residuals first); anything else (the nondiff_argnums
-    values first, Python constants, SymbolicZero) is closed over."""
-
-    args: tuple[Any, ...]
-    flat: list[Any]
-    tree: Any
-    dynamic: list[int]
-    num_res: int
-
-    @classmethod
-    def of(cls, args: Sequence[Any], call: _Call) -> _BwdArgs:
-        flat, tree = jax.tree_util.tree_flatten(tuple(args))
-        children: list[Any] = jax.tree_util.treedef_children(tree)
-        per_arg = [child.num_leaves for child in children]  # one flatten, not three
-        first = sum(per_arg[: len(call.static)])
-        dynamic = [i for i, x in enumerate(flat) if i >= first and _is_traceable(x)]
-        num_leaves_before_cts = sum(per_arg[:-1])
-        num_res = len([i for i in dynamic if i < num_leaves_before_cts])
-        return cls(tuple(args), flat, tree, dynamic, num_res)
-
-    @property
-    def dyn_args(self) -> list[Any]:
-        return [self.flat[i] for i in self.dynamic]
-
-    def flat_fn(self, bwd: Callable[..., Any]) -> Callable[..., Any]:
-        """``bwd`` as a function of the traced leaves alone."""
-        def flat_bwd(*xs: Any) -> Any:
-            leaves = list(self.flat)
-            for i, x in zip(self.dynamic, xs):
-                leaves[i] = x
-            return bwd(*jax.tree_util.tree_unflatten(self.tree, leaves))
-
-        return flat_bwd
-
-
-def _traced_and_fixed(bwd: Callable[..., Any], call: _Call, field: Field, bwd_args: _BwdArgs,
-                      staged: _Staged | None, only_if_registered: bool = False) -> Any:
+def _traced_and_fixed(bwd: Callable[..., Any], call: Call, field: TypeField, bwd_args: BwdArgs,
+                      staged: Staged | None, only_if_registered: bool = False) -> Any:
     """Runs the bwd, and psums each cotangent over the axes it varies over and
     its primal does not, where that is exact (judged from the bwd's jaxpr).
 
@@ -347,36 +297,36 @@ def _traced_and_fixed(bwd: Callable[..., Any], call: _Call, field: Field, bwd_ar
     With ``only_if_registered``, returns None (nothing evaluated) unless the
     bwd's jaxpr calls a registered kernel."""
     dyn_args = bwd_args.dyn_args
-    key = _trace_key(bwd_args.tree, bwd_args.flat, bwd_args.dynamic, dyn_args, bwd_args.num_res)
-    traced = _bwd_traces.get(bwd, key)
+    key = _bwd_trace.trace_key(bwd_args.tree, bwd_args.flat, bwd_args.dynamic, dyn_args, bwd_args.num_res)
+    traced = _bwd_trace.traces.get(bwd, key)
     if traced is None and staged is not None and not only_if_registered:
-        _bwd_traces.put(bwd, key, _SEEN)
+        _bwd_trace.traces.put(bwd, key, _bwd_trace.SEEN)
         staged.begin()
         out = bwd(*bwd_args.args)
         return _fixed_cts(out, staged.taints(out, bwd_args, field), call, field)
-    if not isinstance(traced, _BwdTrace):
-        watch = _common.Watch()
-        with _common.watching(watch):
-            closed, out_tree = _trace(bwd_args.flat_fn(bwd), dyn_args, _source_info(bwd))
-        involved = watch.involved or _common.jaxpr_calls_registered(closed.jaxpr)
-        traced = _BwdTrace(closed, out_tree, _taints(closed.jaxpr, bwd_args.num_res, field), involved)
-        _bwd_traces.put(bwd, key, traced)
+    if not isinstance(traced, _bwd_trace.BwdTrace):
+        watch = _kernels.Watch()
+        with _kernels.watching(watch):
+            closed, out_tree = _bwd_trace.trace(bwd_args.flat_fn(bwd), dyn_args, _bwd_trace.source_info(bwd))
+        involved = watch.involved or _rules.jaxpr_calls_registered(closed.jaxpr)
+        traced = _bwd_trace.BwdTrace(closed, out_tree, _taint.taints(closed.jaxpr, bwd_args.num_res, field), involved)
+        _bwd_trace.traces.put(bwd, key, traced)
     elif traced.involved:
-        _common.note_registered_call()  # as tracing it again would
+        _kernels.note_registered_call()  # as tracing it again would
     if only_if_registered and not traced.involved:
         return None
-    out = jax.tree_util.tree_unflatten(traced.out_tree, _replay(traced.closed, dyn_args))
+    out = jax.tree_util.tree_unflatten(traced.out_tree, _bwd_trace.replay(traced.closed, dyn_args))
     return _fixed_cts(out, jax.tree_util.tree_unflatten(traced.out_tree, traced.taints), call, field)
 
 
-def _fixed_cts(out: Any, taint_tree: Any, call: _Call, field: Field) -> Any:
+def _fixed_cts(out: Any, taint_tree: Any, call: Call, field: TypeField) -> Any:
     """The bwd's output ``out`` with each cotangent fixed by :func:`_fix_leaf`
     (``taint_tree``: the taint of each leaf of ``out``)."""
     cts, logs = _split_logs(out, call)
     ct_taints, _ = _split_logs(taint_tree, call)
     if call.primal_types is None or not isinstance(cts, (tuple, list)) or len(cts) != len(call.primal_types):
         return out
-    manual = vma.manual_axes()
+    manual = _types.manual_axes()
     fixed: list[Any] = []
     for index, (ct, taint, types) in enumerate(zip(cts, ct_taints, call.primal_types)):
         if ct is None:
@@ -392,244 +342,8 @@ def _fixed_cts(out: Any, taint_tree: Any, call: _Call, field: Field) -> Any:
     return (fixed_cts, logs) if call.with_logs else fixed_cts
 
 
-# --- a bwd run straight into the jaxpr being staged -----------------------------
-#
-# Tracing a bwd to its own jaxpr and copying that into the enclosing one costs
-# a second trace per call. Where the enclosing trace is a jaxpr being staged,
-# the bwd runs straight into it (as with JAX alone) and the equations it added
-# are read back from JAX's trace frame, for the same analysis.
-
-
-class _Eqn(NamedTuple):
-    primitive: Any
-    params: dict[str, Any]
-    invars: list[Any]
-    outvars: list[Any]
-
-
-@dataclasses.dataclass
-class _Jaxpr:
-    """The part of a jaxpr a bwd staged: what :func:`_taint_flow` and
-    ``_common.jaxpr_calls_registered`` read of a jaxpr."""
-
-    eqns: list[_Eqn]
-    invars: list[Any]
-    outvars: list[Any]
-
-
-class _Staged:
-    """The jaxpr being staged where a bwd runs (``pe.DynamicJaxprTrace``), and
-    the equations the bwd adds to it: JAX 0.6 keeps ``frame.eqns`` (variables
-    found by ``frame.tracer_to_var``); 0.7+ keeps ``frame.tracing_eqns``
-    (each a ``TracingEqn``, or a reference to one JAX may drop as dead code),
-    whose tracers hold their variable as ``.val``."""
-
-    def __init__(self, trace: Any, eqns: list[Any], legacy: bool) -> None:
-        self.trace, self.frame, self._eqns, self._legacy = trace, trace.frame, eqns, legacy
-        self._start = len(eqns)
-
-    @classmethod
-    def open(cls, bwd_args: _BwdArgs) -> _Staged | None:
-        """The staged jaxpr, if the bwd's cotangents are its variables (their uses
-        are then equations in it); None elsewhere (vmap, jvp, eager, dynamic shapes)."""
-        trace = core.trace_ctx.trace
-        if not isinstance(trace, pe.DynamicJaxprTrace) or getattr(jax.config, "jax_dynamic_shapes", False):
-            return None
-        frame = trace.frame
-        eqns, legacy = getattr(frame, "tracing_eqns", None), False
-        if eqns is None:
-            eqns, legacy = getattr(frame, "eqns", None), True
-        consts = getattr(frame, "constvar_to_val", None)
-        if not isinstance(eqns, list) or not isinstance(consts, dict):
-            return None
-        staged = cls(trace, eqns, legacy)
-        for x in bwd_args.dyn_args[bwd_args.num_res:]:
-            var = staged.var(x)
-            if var is None or var in consts:  # a constant: JAX may fold its uses away
-                return None
-        return staged
-
-    def begin(self) -> None:
-        """Equations added from now on are the bwd's."""
-        self._start = len(self._eqns)
-
-    def var(self, x: Any) -> Any:
-        """The variable of ``x`` in the staged jaxpr, or None."""
-        if not isinstance(x, pe.DynamicJaxprTracer) or x._trace is not self.trace:
-            return None
-        if self._legacy:
-            return self.frame.tracer_to_var.get(id(x))
-        var = x.val
-        return var if isinstance(var, core.Var) else None
-
-    def jaxpr(self, ins: Sequence[Any], outs: Sequence[Any]) -> _Jaxpr:
-        eqns: list[_Eqn] = []
-        for e in self._eqns[self._start:]:
-            if not self._legacy:
-                e = e if isinstance(e, pe.TracingEqn) else e()
-                if e is None:  # dropped as dead code: nothing the bwd returns uses it
-                    continue
-                e = _Eqn(e.primitive, e.params, [getattr(t, "val", None) for t in e.in_tracers], e.outvars)
-            eqns.append(e)
-        return _Jaxpr(eqns, [self.var(x) for x in ins], [self.var(x) for x in outs])
-
-    def calls_registered(self) -> bool:
-        return _common.jaxpr_calls_registered(self.jaxpr((), ()))
-
-    def taints(self, out: Any, bwd_args: _BwdArgs, field: Field) -> Any:
-        """Per leaf of the bwd's output ``out``, what :func:`_taints` says."""
-        leaves, tree = jax.tree_util.tree_flatten(out)
-        jaxpr = self.jaxpr(bwd_args.dyn_args, leaves)
-        return jax.tree_util.tree_unflatten(tree, _taints(jaxpr, bwd_args.num_res, field))
-
-
-_FLAT_SIGNATURE = inspect.signature(lambda *args: None)
-
-
-def _source_info(fn: Any) -> str:
-    """``name at file:line`` of ``fn``, as JAX's debug info says it."""
-    code = getattr(fn, "__code__", None)
-    name = getattr(fn, "__name__", None) or "bwd"
-    return f"{name} at {code.co_filename}:{code.co_firstlineno}" if code is not None else name
-
-
-def _trace(fn: Callable[..., Any], args: Sequence[Any], source: str) -> tuple[Any, Any]:
-    """``fn``'s closed jaxpr on ``args`` (flat), and its output tree: what
-    ``jax.make_jaxpr(fn, return_shape=True)`` gives, without building a ``jit``
-    around it (a third of a small bwd's trace on 0.12)."""
-    # The names JAX would find by inspecting fn (a third of the trace's own cost): fn is flat.
-    debug = api_util.debug_info("reprules custom_vjp bwd", fn, tuple(args), {},
-                                sourceinfo=source, signature=_FLAT_SIGNATURE)
-    flat_fn, out_tree = api_util.flatten_fun_nokwargs(lu.wrap_init(fn, debug_info=debug),
-                                                      jax.tree_util.tree_structure(tuple(args)))
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat_fn, [jax.typeof(x) for x in args])[:3]
-    return _Closed(jaxpr, tuple(consts)), out_tree()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Closed:
-    jaxpr: Any
-    consts: tuple[Any, ...]
-
-
-def _replay(closed: Any, args: Sequence[Any]) -> list[Any]:
-    """Evaluates ``closed`` on ``args`` in the current trace. Into a jaxpr being
-    staged, its equations are copied as they are (as JAX inlines a ``jit``):
-    they were typed when traced, with the same inputs. Elsewhere (vmap, jvp,
-    eager, or hijax equations that JAX must lower as they are bound) they are
-    bound one by one."""
-    trace = core.trace_ctx.trace
-    if (isinstance(trace, pe.DynamicJaxprTrace)
-            and not getattr(closed.jaxpr, "is_high", False)  # 0.12 hijax: lowered by JAX's own binds
-            and all(isinstance(x, pe.DynamicJaxprTracer) and x._trace is trace for x in args)
-            and not any(isinstance(c, core.Tracer) for c in closed.consts)
-            and not getattr(jax.config, "jax_dynamic_shapes", False)):
-        src = source_info_util.current()
-        out = pe.inline_jaxpr_into_trace(trace, src, closed.jaxpr, closed.consts, *args)
-        return [trace.to_jaxpr_tracer(x, src) for x in out]
-    return list(core.eval_jaxpr(closed.jaxpr, closed.consts, *args))
-
-
-# --- the bwd's jaxpr, traced once per function and input types -------------------
-#
-# A model calls one custom_vjp per op in every layer: tracing its bwd to a
-# jaxpr (for the taints) and then evaluating it would bind every bwd equation
-# twice per call. The jaxpr depends only on the bwd function, its static
-# arguments, the input types (varying axes included), the manual axes, the
-# rules registered, reprules' modes and JAX's trace context: with all of those
-# in the key it is reused, as jax.jit reuses a trace.
-
-
-@dataclasses.dataclass(frozen=True)
-class _BwdTrace:
-    closed: Any
-    out_tree: Any
-    taints: list[frozenset[str] | None]
-    involved: bool  # the bwd calls a registered (or inferred) kernel
-
-
-_SEEN = object()  # a bwd and input types run once, straight into the staged jaxpr
-
-
-class _TraceCache:
-    """Per bwd function (held weakly), a bounded LRU of its traces (or _SEEN)."""
-
-    def __init__(self, per_function: int = 32) -> None:
-        self._by_fn: weakref.WeakKeyDictionary[Any, collections.OrderedDict[Any, Any]] = (
-            weakref.WeakKeyDictionary())
-        self._per_function = per_function
-        self._lock = threading.Lock()
-
-    def get(self, fn: Any, key: Any) -> Any:
-        if key is None:
-            return None
-        with self._lock:
-            try:
-                entries = self._by_fn.get(fn)
-            except TypeError:  # not weakly referenceable
-                return None
-            if entries is None or key not in entries:
-                return None
-            entries.move_to_end(key)
-            return entries[key]
-
-    def put(self, fn: Any, key: Any, value: Any) -> None:
-        if key is None:
-            return
-        with self._lock:
-            try:
-                entries = self._by_fn.setdefault(fn, collections.OrderedDict())
-            except TypeError:
-                return
-            entries[key] = value
-            while len(entries) > self._per_function:
-                entries.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._by_fn.clear()
-
-
-_bwd_traces = _TraceCache()
-
-
-def clear_traces() -> None:
-    """Forgets every cached bwd trace (with JAX's own caches)."""
-    _bwd_traces.clear()
-
-
-def _trace_key(tree: Any, flat: Sequence[Any], dynamic: Sequence[int], dyn_args: Sequence[Any],
-               num_res: int) -> Any:
-    """What a bwd's jaxpr depends on besides the function; None if not hashable."""
-    dyn = set(dynamic)
-    try:
-        key = (
-            tree, tuple(x for i, x in enumerate(flat) if i not in dyn), tuple(jax.typeof(x) for x in dyn_args),
-            num_res, vma.manual_axes(), generation(), _mode_state.modes(), config.trace_context(),
-        )
-        return _HashedKey(key)
-    except TypeError:  # an unhashable static argument: trace every time
-        return None
-
-
-class _HashedKey(tuple):  # type: ignore[type-arg]
-    """A key hashed once (a get and a put would each hash its types again)."""
-
-    __slots__ = ()
-
-    def __new__(cls, key: tuple[Any, ...]) -> _HashedKey:
-        return super().__new__(cls, (hash(key), key))
-
-    def __hash__(self) -> int:
-        return self[0]  # type: ignore[no-any-return]
-
-
-def _is_traceable(x: Any) -> bool:
-    return isinstance(x, (jax.Array, core.Tracer, np.ndarray, np.generic))
-
-
-def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: int, call: _Call,
-              field: Field, manual: tuple[str, ...]) -> Any:
+def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: int, call: Call,
+              field: TypeField, manual: tuple[str, ...]) -> Any:
     if ct is None or primal_type is None or not hasattr(primal_type, "shape"):
         return ct
     have, want = _ct_varying(field, ct), field.varying(primal_type)
@@ -637,8 +351,8 @@ def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: in
     if excess & (taint or frozenset()):
         raise _errors.CotangentError(
             _errors.mixed_cotangent_message(
-                call.name, _input_name(call, index), str(primal_type.str_short()),
-                excess & (taint or frozenset()), manual, _common.JAX_VERSION,
+                call.name, input_name(call, index), str(primal_type.str_short()),
+                excess & (taint or frozenset()), manual, _jax.JAX_VERSION,
             )
         )
     if excess or want - have:
@@ -648,120 +362,10 @@ def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: in
             if excess:
                 ct = _psum(ct, excess)
             if want - have:  # a replicated cotangent for a varying input: a free cast (its transpose: a psum)
-                ct = vma.cast_up(ct, want - have)
+                ct = _types.cast_up(ct, want - have)
     return ct
 
 
-def _input_name(call: _Call, index: int) -> str:
+def input_name(call: Call, index: int) -> str:
     dynamic = [n for i, n in enumerate(call.arg_names) if i not in call.static]
     return f"input {index} ({dynamic[index]!r})" if index < len(dynamic) else f"input {index}"
-
-
-# --- which cotangent outputs mix replicated and varying parts ------------------
-
-
-def _taints(jaxpr: Any, num_res: int, field: Field) -> list[frozenset[str] | None]:
-    """Per output of the bwd ``jaxpr``: the axes over which a part of it that
-    depends on the incoming cotangents (inputs ``num_res`` on) was replicated
-    and then made varying, or went through a collective; None if the output
-    does not depend on the cotangents at all."""
-    ins: list[frozenset[str] | None] = [None] * num_res + [frozenset()] * (len(jaxpr.invars) - num_res)
-    return _taint_flow(jaxpr, ins, field)
-
-
-# Call-like primitives whose body takes the equation's operands and gives its
-# results: followed inside, so that a cast of a value that does not depend on
-# the cotangents (a kernel's replicated operand cast up inside a jitted
-# wrapper) is not mistaken for one that does.
-# A custom_vjp or custom_vmap call inside the bwd runs its body there (a library
-# op's own rules apply only when it is differentiated or batched, and compute the
-# same values), so it is followed too, not taken for a collective over every axis
-# its body casts over.
-_CALL_BODIES = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-                "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
-                "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-                "custom_vmap_call": "call"}
-
-
-def _taint_flow(jaxpr: Any, in_taints: Sequence[frozenset[str] | None], field: Field
-                ) -> list[frozenset[str] | None]:
-    from reprules._shim import core_map
-
-    manual = frozenset(vma.manual_axes())
-    taint: dict[Any, frozenset[str]] = {v: t for v, t in zip(jaxpr.invars, in_taints) if t is not None}
-    for eqn in jaxpr.eqns:
-        deps = [v for v in eqn.invars if isinstance(v, core.Var) and v in taint]
-        if not deps:
-            continue
-        body = _call_body(eqn)
-        if body is not None:
-            inner = _taint_flow(body, [taint.get(v) if isinstance(v, core.Var) else None for v in eqn.invars], field)
-            for o, t in zip(eqn.outvars, inner):
-                if t is not None:
-                    taint[o] = t
-            continue
-        found = frozenset().union(*(taint[v] for v in deps))
-        replicated_in = frozenset().union(*(manual - field.varying(v.aval) for v in deps))
-        varying_out = frozenset().union(*(field.varying(o.aval) for o in eqn.outvars))
-        found |= replicated_in & varying_out
-        found |= core_map.collective_axes(eqn, _collective_axes)  # pl.kernel: its own casts aside
-        for o in eqn.outvars:
-            taint[o] = found
-    return [taint.get(v) if isinstance(v, core.Var) else None for v in jaxpr.outvars]
-
-
-def _call_body(eqn: Any) -> Any:
-    """The body jaxpr of a call-like equation, if its inputs and outputs match the equation's."""
-    key = _CALL_BODIES.get(eqn.primitive.name)
-    value = eqn.params.get(key) if key else None
-    body: Any = getattr(value, "jaxpr", value)
-    if (not hasattr(body, "eqns") or len(body.invars) != len(eqn.invars)
-            or len(body.outvars) != len(eqn.outvars)):
-        return None
-    return body
-
-
-def _collective_axes(eqn: Any) -> frozenset[str]:
-    """Every axis name an equation (or any jaxpr inside it) communicates or
-    casts over, judged conservatively from its params."""
-    return _params_axes(eqn.params)
-
-
-def _params_axes(params: dict[str, Any]) -> frozenset[str]:
-    found: set[str] = set()
-    for key, value in params.items():
-        if key in ("axes", "axis_name"):
-            names = value if isinstance(value, (tuple, list, set, frozenset)) else (value,)
-            found.update(n for n in names if isinstance(n, str))
-        if type(value) in _PLAIN:  # most params: checked first, as this runs per bwd equation
-            continue
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(sub, _NO_JAXPR):
-                continue
-            sub = getattr(sub, "jaxpr", sub)
-            if hasattr(sub, "eqns"):
-                found |= _jaxpr_axes(sub)
-    return frozenset(found) if found else _NO_AXES
-
-
-_PLAIN = (str, int, float, bool, type(None))  # param values that hold no jaxpr
-_NO_JAXPR = (*_PLAIN, core.AbstractValue)  # ... nor do types (e.g. a pallas_call's out_avals)
-_NO_AXES: frozenset[str] = frozenset()
-
-
-# A kernel's jaxpr is shared by all its calls (JAX caches its trace): scanned once.
-_axes_of_jaxpr: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
-
-
-def _jaxpr_axes(jaxpr: Any) -> frozenset[str]:
-    try:
-        found = _axes_of_jaxpr.get(jaxpr)
-    except TypeError:  # not weakly referenceable
-        found = None
-    if found is None:
-        found = frozenset().union(*(_params_axes(e.params) for e in jaxpr.eqns))
-        try:
-            _axes_of_jaxpr[jaxpr] = found
-        except TypeError:
-            pass
-    return found

@@ -32,14 +32,16 @@ from typing import Any
 import jax
 
 from reprules import _errors
-from reprules._shim import _common, custom_vjp
+from reprules._shim import _jax, _kernels, _rules, _taint, custom_vjp
+from reprules._shim._patches import Patches
+from reprules._shim._types import rep_manual_axes
 
 
 @dataclasses.dataclass
 class _Frame:
     """One run of a flat bwd under JAX's rewrite trace: which custom_vjp it is."""
 
-    call: custom_vjp._Call | None = None
+    call: custom_vjp.Call | None = None
     fwd: Callable[..., Any] | None = None
     leaf_counts: tuple[int, ...] = ()
     num_cts: int = 0  # the incoming cotangents: the flat bwd's last arguments
@@ -48,8 +50,8 @@ class _Frame:
 _frame: contextvars.ContextVar[_Frame | None] = contextvars.ContextVar("reprules_rep_bwd", default=None)
 
 
-def install(patches: _common.Patches) -> None:
-    from jax._src import custom_derivatives
+def install(patches: Patches) -> None:
+    custom_derivatives = _jax.module("jax._src.custom_derivatives")
     from jax.experimental import shard_map as sm
 
     cls = custom_derivatives.custom_vjp
@@ -66,7 +68,7 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
         fwd, bwd = getattr(self, "fwd", None), getattr(self, "bwd", None)
         if fwd is None or bwd is None:
             return original(self, *args, **kwargs)
-        call = custom_vjp._Call(
+        call = custom_vjp.Call(
             fun=getattr(self, "fun", None),
             bwd=bwd,
             static=frozenset(getattr(self, "nondiff_argnums", ()) or ()),
@@ -83,28 +85,26 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _aval(x: Any) -> Any:
-    from jax._src import core
-
     try:
-        return core.get_aval(x)  # type: ignore[attr-defined]  # JAX <= 0.5: in jax._src.core
+        return _jax.core.get_aval(x)  # type: ignore[attr-defined]  # JAX <= 0.5: in jax._src.core
     except TypeError:
         return None
 
 
-def _watched_fwd(fwd: Callable[..., Any], call: custom_vjp._Call, counts: list[tuple[int, ...]]
+def _watched_fwd(fwd: Callable[..., Any], call: custom_vjp.Call, counts: list[tuple[int, ...]]
                  ) -> Callable[..., Any]:
     @functools.wraps(fwd)
     def watched(*args: Any) -> Any:
         dynamic = [a for i, a in enumerate(args) if i not in call.static]
         call.record_args(args, _aval)
         counts[:] = [tuple(len(jax.tree_util.tree_leaves(a)) for a in dynamic)]
-        with _common.watching(call.watch):
+        with _kernels.watching(call.watch):
             return fwd(*args)
 
     return watched
 
 
-def _announced_bwd(bwd: Callable[..., Any], fwd: Callable[..., Any], call: custom_vjp._Call,
+def _announced_bwd(bwd: Callable[..., Any], fwd: Callable[..., Any], call: custom_vjp.Call,
                    counts: list[tuple[int, ...]]) -> Callable[..., Any]:
     @functools.wraps(bwd)
     def announced(*args: Any) -> Any:
@@ -130,16 +130,15 @@ def _wrap_rewrite_bwd(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _checked(bwd: Any, mesh: Any, reps_dst: Sequence[set[str]]) -> Any:
     """``bwd`` (a callable, or a WrappedFun from 0.4.36), checked before JAX psums its outputs."""
-    from jax._src import linear_util as lu
-
+    lu = _jax.lu
     wrapped = hasattr(bwd, "call_wrapped")
     run: Callable[..., Any] = bwd.call_wrapped if wrapped else bwd
 
     def checked(*args: Any) -> Any:
-        frame, watch = _Frame(), _common.Watch()
+        frame, watch = _Frame(), _kernels.Watch()
         token = _frame.set(frame)
         try:
-            with _common.watching(watch):
+            with _kernels.watching(watch):
                 out = run(*args)
         finally:
             _frame.reset(token)
@@ -169,21 +168,19 @@ def _rep_of(x: Any, mesh: Any) -> set[str]:
     return set(mesh.axis_names)  # a constant: replicated everywhere
 
 
-def _check(frame: _Frame, watch: _common.Watch, run: Callable[..., Any], args: Sequence[Any], mesh: Any,
+def _check(frame: _Frame, watch: _kernels.Watch, run: Callable[..., Any], args: Sequence[Any], mesh: Any,
            psummed: Sequence[frozenset[str]]) -> None:
     """Raises CotangentError if a psummed cotangent mixes in a replicated part
     and the custom_vjp involves a registered kernel."""
-    from reprules._shim import rep
-
     call = frame.call
     assert call is not None and frame.fwd is not None
     closed = jax.make_jaxpr(run)(*args)
-    involved = (call.watch.involved or watch.involved or _common.jaxpr_calls_registered(closed.jaxpr)
-                or custom_vjp._fwd_involves_registered(frame.fwd, call))
+    involved = (call.watch.involved or watch.involved or _rules.jaxpr_calls_registered(closed.jaxpr)
+                or custom_vjp.fwd_involves_registered(frame.fwd, call))
     if not involved:
         return  # JAX's own behaviour, unchanged
     all_axes = frozenset(mesh.axis_names)
-    manual = frozenset(rep.manual_axes(mesh))
+    manual = frozenset(rep_manual_axes(mesh))
     num_res = len(args) - frame.num_cts
     in_reps = [_rep_of(x, mesh) for x in args]
     in_taints: list[frozenset[str] | None] = [None] * num_res + [frozenset()] * (len(args) - num_res)
@@ -197,9 +194,9 @@ def _check(frame: _Frame, watch: _common.Watch, run: Callable[..., Any], args: S
             leaf: Any = leaves[0] if leaves else None
             raise _errors.CotangentError(
                 _errors.mixed_cotangent_message(
-                    call.name, custom_vjp._input_name(call, index),
+                    call.name, custom_vjp.input_name(call, index),
                     leaf.str_short() if hasattr(leaf, "str_short") else "?", bad, tuple(mesh.axis_names),
-                    _common.JAX_VERSION, psummed_by="JAX (check_rep)",
+                    _jax.JAX_VERSION, psummed_by="JAX (check_rep)",
                 )
             )
 
@@ -223,8 +220,8 @@ def _flow(jaxpr: Any, in_reps: Sequence[set[str] | None], in_taints: Sequence[fr
     was replicated and then combined into something varying, or went through
     a collective. A primitive without a usable check rule is taken to vary
     over every axis: that can only add taints."""
-    from jax._src import core
-    from jax.experimental import shard_map as sm
+    core = _jax.core
+    from jax.experimental import shard_map as sm  # the rep era's own module
 
     reps: dict[Any, set[str] | None] = {v: set(all_axes) for v in jaxpr.constvars}
     reps.update(zip(jaxpr.invars, in_reps))
@@ -239,7 +236,7 @@ def _flow(jaxpr: Any, in_reps: Sequence[set[str] | None], in_taints: Sequence[fr
     for eqn in jaxpr.eqns:
         ins = [rep(v) for v in eqn.invars]
         deps = [v for v in eqn.invars if isinstance(v, core.Var) and v in taint]
-        body = custom_vjp._call_body(eqn)
+        body = _taint.call_body(eqn)
         if body is not None:
             inner_taints = [taint.get(v) if isinstance(v, core.Var) else None for v in eqn.invars]
             out_reps, out_taints = _flow(body, ins, inner_taints, mesh, manual, all_axes)
@@ -257,7 +254,7 @@ def _flow(jaxpr: Any, in_reps: Sequence[set[str] | None], in_taints: Sequence[fr
         replicated_in = frozenset().union(*(replicated(rep(v)) for v in deps))
         varying_out = frozenset().union(*(manual - replicated(r) for r in outs))
         found |= replicated_in & varying_out
-        found |= custom_vjp._collective_axes(eqn) & manual
+        found |= _taint.collective_axes(eqn) & manual
         for o in eqn.outvars:
             taint[o] = found
     return ([rep(v) for v in jaxpr.outvars],

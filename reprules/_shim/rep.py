@@ -1,4 +1,4 @@
-"""The *rep* regime: JAX 0.4.28 - 0.5.x (``shard_map(..., check_rep=True)``).
+"""The *rep* era: JAX 0.4.28 - 0.5.x (``shard_map(..., check_rep=True)``).
 
 Replication is not in the types. ``jax.experimental.shard_map`` keeps two dicts
 keyed by primitive: check rules (``_check_rules``, used by ``_check_rep`` and
@@ -9,7 +9,7 @@ the kernel's own rule. The ``register_*`` helpers are first-wins
 (``setdefault``), so we write the dicts directly and restore them on removal.
 
 Rules are told only the *manual* axes of the enclosing ``shard_map``
-(:func:`manual_axes`), as from 0.6; JAX's own rules see the whole mesh.
+(``_types.rep_manual_axes``), as from 0.6; JAX's own rules see the whole mesh.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from reprules import _errors, _mode_state
 from reprules._decide import decide
 from reprules._registry import Registration
 from reprules.rules import Decision, VaryingSet
-from reprules._shim import _common, _verify, custom_vjp_rep, infer, rep_gaps
+from reprules._shim import _jax, _pallas_hooks, _rules, _verify, custom_vjp_rep, infer, rep_gaps
+from reprules._shim._patches import Patches
+from reprules._shim._rules import Opaque
+from reprules._shim._types import rep_manual_axes as manual_axes
 
 NAME = "rep"
 VERSIONS = "0.4.28 - 0.5.x"
@@ -36,7 +39,7 @@ def detect() -> bool:
     return hasattr(sm, "_check_rules") and hasattr(sm, "_rewrite_rules")
 
 
-def attach(op: _common.Opaque, patches: _common.Patches) -> None:
+def attach(op: Opaque, patches: Patches) -> None:
     """Installs check and rewrite rules for ``op.prim`` that dispatch to the
     rule of each equation. Equations without a rule keep JAX's own rules where
     JAX has them (``ffi_call`` from 0.4.38) and raise MissingRuleError otherwise."""
@@ -60,7 +63,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
         # num_out None: a multiple-results primitive, counted from the equation or its operands.
         if num_out is None:
             num_out = num_results if num_results is not None else _num_results(op.prim)
-        ctx = _common.rule_context(reg, manual_axes(mesh), len(in_vary), num_out)
+        ctx = _rules.rule_context(reg, manual_axes(mesh), len(in_vary), num_out)
         decision = decide(reg, ctx, in_vary)
         # JAX's check pass decides again from the inputs as the rewrite cast them; where an
         # output depends on an input cast up for another output (a derived rule), decide
@@ -79,9 +82,9 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
         jax_error = _jax_refusal(op.prim)
         error = _errors.MissingRuleError(
             _errors.missing_rule_message(
-                op.name(params), manual_axes(mesh), _common.JAX_VERSION, kind=op.kind,
+                op.name(params), manual_axes(mesh), _jax.JAX_VERSION, kind=op.kind,
                 jax_error=str(jax_error),
-                inference=_common.inference_note(params, manual_axes(mesh)) if op.prim is _common.pallas_call_p() else "",
+                inference=_rules.inference_note(params, manual_axes(mesh)) if op.prim is _jax.pallas_call_p() else "",
             )
         )
         error.__cause__ = jax_error
@@ -110,9 +113,7 @@ def attach(op: _common.Opaque, patches: _common.Patches) -> None:
 
         count = None
         if op.prim.multiple_results:
-            from jax._src import core
-
-            outs_avals, _ = op.prim.abstract_eval(*(core.get_aval(a) for a in args), **params)  # type: ignore[attr-defined]
+            outs_avals, _ = op.prim.abstract_eval(*(_jax.core.get_aval(a) for a in args), **params)  # type: ignore[attr-defined]
             count = len(outs_avals)
         decided = decide_eqn(mesh, tuple(in_rep), params, count)
         if decided is None:
@@ -162,7 +163,7 @@ def _num_results(prim: Any) -> int:
         frame = frame.f_back
     raise _errors.UnsupportedJaxError(
         f"reprules could not count the results of the multiple-results primitive {prim} in a "
-        f"check_rep rule (JAX {_common.JAX_VERSION}).\n"
+        f"check_rep rule (JAX {_jax.JAX_VERSION}).\n"
         "Why: JAX's check rules are told the operands' replication only; reprules reads the "
         "equation from JAX's caller, which was not found.\n"
         "Fix: please report this with the program; as a workaround give the primitive one result."
@@ -180,35 +181,11 @@ def _jax_refusal(prim: Any) -> Exception:
     return NotImplementedError(f"No replication rule for {prim}.")
 
 
-def manual_axes(mesh: Any) -> tuple[str, ...]:
-    """The manual axes of the ``shard_map`` over ``mesh`` whose rules are running.
-
-    JAX gives its rules only the mesh; the automatic axes (``auto=``) are a
-    local of the shard_map function that runs them (staging, eager, type
-    check), read here from the innermost such frame. The rep regime ends with
-    0.5.x, so these names cannot change under us.
-    """
-    import sys
-    from types import FrameType
-
-    from jax.experimental import shard_map as sm
-
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_globals is vars(sm):
-            local = frame.f_locals
-            if "auto" in local and (local.get("mesh") is mesh or local.get("mesh") == mesh):
-                auto = frozenset(local["auto"] or ())
-                return tuple(a for a in mesh.axis_names if a not in auto)
-        frame = frame.f_back
-    return tuple(mesh.axis_names)
-
-
-def install(patches: _common.Patches) -> None:
-    attach(_common.pallas_opaque(), patches)
-    ffi = _common.ffi_opaque()
+def install(patches: Patches) -> None:
+    attach(_rules.pallas_opaque(), patches)
+    ffi = _rules.ffi_opaque()
     if ffi is not None:
         attach(ffi, patches)
-    _common.install_pallas_hooks(patches)  # rules dispatch by kernel jaxpr: nothing to apply at bind
+    _pallas_hooks.install_pallas_hooks(patches)  # rules dispatch by kernel jaxpr: nothing to apply at bind
     custom_vjp_rep.install(patches)  # mixed cotangents JAX would over-count: refused
     rep_gaps.install(patches)  # cond, while, pmax: JAX's own missing rules

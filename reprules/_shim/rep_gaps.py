@@ -27,14 +27,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from reprules._shim import _common
+from reprules._shim import _jax
+from reprules._shim._patches import Patches
 
 Rep = set[str] | None  # None: a literal, replicated everywhere
 
 
-def install(patches: _common.Patches) -> None:
-    from jax._src.lax import parallel
-    from jax._src.lax.control_flow import conditionals, loops
+def install(patches: Patches) -> None:
+    parallel = _jax.module("jax._src.lax.parallel")
+    conditionals = _jax.module("jax._src.lax.control_flow.conditionals")
+    loops = _jax.module("jax._src.lax.control_flow.loops")
     from jax.experimental import shard_map as sm
 
     checks, rewrites = sm._check_rules, sm._rewrite_rules  # type: ignore[attr-defined]  # JAX <= 0.5 only
@@ -92,7 +94,7 @@ def _cond_rewrite(jax_rule: Any) -> Any:
     it: the casts' transposes (the psums) stay outside the ``cond``."""
 
     def rewrite(mesh: Any, in_rep: Any, /, *args: Any, branches: Any, **params: Any) -> Any:
-        from jax._src.lax.control_flow import conditionals
+        conditionals = _jax.module("jax._src.lax.control_flow.conditionals")
         from jax.experimental import shard_map as sm
 
         pred_rep, *args_rep = in_rep
@@ -144,7 +146,7 @@ def _while_check(mesh: Any, /, *in_rep: Rep, cond_jaxpr: Any, body_jaxpr: Any, c
 
 def _while_rewrite(mesh: Any, in_rep: Any, /, *args: Any, cond_jaxpr: Any, body_jaxpr: Any,
                    cond_nconsts: int, body_nconsts: int, **params: Any) -> Any:
-    from jax._src.lax.control_flow import loops
+    loops = _jax.module("jax._src.lax.control_flow.loops")
     from jax.experimental import shard_map as sm
 
     cconst, bconst, carry_in = _split(list(in_rep), cond_nconsts, body_nconsts)

@@ -1,0 +1,87 @@
+"""The bottom of the shim: the one module that imports JAX's internals.
+
+Every other module of reprules reaches ``jax._src`` through this one: the
+modules every supported JAX has are imported here once; those that come and
+go between releases are looked up by :func:`module` (None where this JAX lacks
+them). ``../shared/JAX_INTERNALS.md`` maps what lives where, per release.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
+
+import jax
+from jax._src import api_util, config, core, source_info_util, xla_bridge
+from jax._src import linear_util as lu
+from jax._src import mesh as mesh_lib
+from jax._src.interpreters import partial_eval as pe
+from jax._src.state.types import AbstractRef
+
+from reprules._version import version_tuple as _parse
+
+__all__ = ["JAX_VERSION", "AbstractRef", "backends_started", "api_util", "config", "core", "ffi_call_p", "lu", "mesh_lib", "module",
+           "pallas_call_p", "pe", "primitive", "source_info_util", "version_tuple"]
+
+JAX_VERSION: str = jax.__version__
+
+
+def version_tuple(version: str = JAX_VERSION) -> tuple[int, ...]:
+    """``(0, 12, 0, 1)`` for JAX 0.12.0.1 (by default the installed JAX); one parser for reprules."""
+    return _parse(version)
+
+
+def module(name: str) -> Any:
+    """The JAX module ``name`` (``"jax._src.pallas.core"``), imported now; None
+    where this JAX has no such module. Typed ``Any``: its contents vary by release."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def primitive(module_name: str, attr: str) -> Any:
+    """``module_name.attr`` if that module exists here and holds a JAX primitive there; else None."""
+    found = getattr(module(module_name), attr, None)
+    return found if isinstance(found, core.Primitive) else None
+
+
+def primitives(names: Iterable[tuple[str, str]]) -> frozenset[Any]:
+    """The primitives among ``(module, attr)`` pairs that this JAX has."""
+    return frozenset(p for p in (primitive(m, a) for m, a in names) if p is not None)
+
+
+def loaded(name: str) -> ModuleType | None:
+    """The JAX module ``name`` if something imported it already (never imports it)."""
+    found = sys.modules.get(name)
+    return found if isinstance(found, ModuleType) else None
+
+
+def ffi_call_p() -> Any | None:
+    try:  # 0.5+
+        from jax._src.ffi import ffi_call_p as p
+    except ImportError:
+        try:  # 0.4.31 - 0.4.38
+            from jax._src.extend.ffi import ffi_call_p as p  # type: ignore[import-not-found, no-redef]  # JAX <= 0.4.38 only
+        except ImportError:  # 0.4.28 - 0.4.30: no ffi_call
+            return None
+    return p
+
+
+def pallas_call_p() -> Any:
+    # Same path from 0.4.28 to 0.12.
+    from jax._src.pallas.pallas_call import pallas_call_p as p
+
+    return p
+
+
+def backends_started() -> bool:
+    """Whether a JAX backend (and so its device count) is already fixed.
+
+    ``xla_bridge._backends`` is the backend cache in every supported version
+    (0.4.28 - 0.12); a layout without it is taken as started.
+    """
+    return bool(getattr(xla_bridge, "_backends", {"?": None}))
