@@ -54,7 +54,7 @@ SUPPORTED_TEXT = ">=0.4.28,<0.13"
 _lock = threading.RLock()
 lock = _lock  # held by the façade across registry changes and (de)activation
 _regime: ModuleType | None = None
-_patches: Patches | None = None
+_installed: Patches | None = None
 _attached: dict[object, Patches] = {}  # per hooked primitive
 _strict_patches: Patches | None = None
 
@@ -92,9 +92,9 @@ def _detect(version: str = JAX_VERSION) -> ModuleType:
 
 def activate() -> None:
     """Installs the regime's patches (idempotent)."""
-    global _patches
+    global _installed
     with _lock:
-        if _patches is not None:
+        if _installed is not None:
             return
         module = regime()
         patches = Patches()
@@ -104,7 +104,7 @@ def activate() -> None:
         except BaseException:
             patches.undo_all()
             raise
-        _patches = patches
+        _installed = patches
 
 
 def attach(target: object) -> None:
@@ -138,12 +138,12 @@ def detach(prim: object) -> None:
 
 def deactivate() -> None:
     """Restores every patched JAX object (idempotent)."""
-    global _patches
+    global _installed
     with _lock:
         pending = [_attached.pop(prim) for prim in list(_attached)][::-1]  # newest first
-        if _patches is not None:
-            pending.append(_patches)
-            _patches = None
+        if _installed is not None:
+            pending.append(_installed)
+            _installed = None
         _undo_each(pending)
 
 
@@ -175,13 +175,13 @@ def sync_strict() -> None:
 
 
 def active() -> bool:
-    return _patches is not None
+    return _installed is not None
 
 
 def held_patches() -> list[tuple[str, bool]]:
     """``(what JAX object, still in place)`` for every live reprules patch."""
     with _lock:
-        groups = [p for p in (_patches, _strict_patches, *_attached.values()) if p is not None]
+        groups = [p for p in (_installed, _strict_patches, *_attached.values()) if p is not None]
         return [entry for patches in groups for entry in patches.held()]
 
 
