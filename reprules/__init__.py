@@ -156,8 +156,7 @@ def replication_rule(rule: RuleLike | None = None, *, override: bool = False) ->
             _shim.attach(kernel)
         except BaseException:
             _registry.unregister(kernel)
-            if _registry.is_empty() and not _modes.inferring():
-                _shim.deactivate()
+            _shim.release()
             raise
         if before is None or before.rule != reg.rule:
             _forget_traces()
@@ -291,16 +290,16 @@ def kernel_named(qualified: str) -> KernelName:
 def unregister(kernel: KernelLike) -> bool:
     """Removes the rule of ``kernel`` (for tests); returns whether it had one.
 
-    When the last rule is removed, every JAX patch is undone.
+    When the last rule is removed and reprules is not armed (``REPRULES_DORMANT=1``),
+    every JAX patch is undone.
     """
     from reprules import _shim  # lazy: imports JAX
 
     with _shim.lock:  # registry and JAX patches change together
         removed = _registry.unregister(kernel)
-        if _registry.is_empty() and not _modes.inferring():
-            _shim.deactivate()
-        elif removed and _shim.active() and _shim.classify(kernel) == "primitive":
+        if removed and _shim.active() and _shim.classify(kernel) == "primitive":
             _shim.detach(kernel)
+        _shim.release()
     if removed:
         _forget_traces()
     return removed
@@ -360,6 +359,26 @@ def jax_support() -> dict[str, str]:
 from reprules import _modes  # noqa: E402
 
 _packs.discover()  # cheap: reads entry-point names, loads nothing until needed
+
+
+
+def _arm(pallas_call_module: object) -> None:
+    """Arms the shim once Pallas is imported: a rule-less kernel then gets reprules'
+    MissingRuleError, not JAX's advice to turn checking off. Never breaks the import."""
+    from reprules import _shim  # lazy: imports JAX (imported already: Pallas just was)
+
+    try:
+        _shim.arm()
+    except Exception as err:  # e.g. an unsupported JAX: registering a rule says so
+        import warnings
+
+        warnings.warn(f"reprules could not arm its checks on JAX's Pallas ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0]}); they install when a rule is registered.",
+                      PatchWarning, stacklevel=2)
+
+
+if not _modes.dormant():  # REPRULES_DORMANT=1: nothing patched until a rule is registered
+    _packs.after_import("jax.experimental.pallas", _arm)
 
 if _modes.inferring():  # REPRULES_INFER=1 for a whole run
     from reprules import _shim as _shim_for_inference

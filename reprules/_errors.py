@@ -60,11 +60,12 @@ def did_you_mean(unknown: Iterable[str], known: Iterable[str]) -> str:
 
 def missing_rule_message(
     kernel_name: str, mesh_axes: Iterable[str], jax_version: str, kind: str = "Pallas kernel",
-    jax_error: str = "", inference: str = "",
+    jax_error: str = "", inference: str = "", site: str = "",
 ) -> str:
     """The message of :class:`MissingRuleError`; ``jax_error`` is the text of the
     error JAX alone raises in the same situation, quoted at the end;
-    ``inference`` why ``reprules.inference()`` could not derive a rule."""
+    ``inference`` why ``reprules.inference()`` could not derive a rule; ``site``
+    the kernel's ``file:line``."""
     name = kernel_name.split(" ")[0]
     axes = tuple(mesh_axes)
     if kind == "Pallas kernel":
@@ -98,7 +99,7 @@ def missing_rule_message(
             f"    reprules.replication_rule(rules.same())(<the {name} {kind.split()[-1]} object>)"
         )
     return (
-        f"The {kind} {name!r} has no replication rule, so it cannot run "
+        f"The {kind} {name!r}{f' (defined at {site})' if site else ''} has no replication rule, so it cannot run "
         f"inside a shard_map with checking on (mesh axes {fmt_axes(axes)}, "
         f"JAX {jax_version}).\n"
         f"Why: the {kind} is opaque to JAX, which therefore cannot tell over which "

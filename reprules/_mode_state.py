@@ -10,6 +10,7 @@ import threading
 VERIFY_ENV = "REPRULES_VERIFY"
 STRICT_ENV = "REPRULES_STRICT"
 INFER_ENV = "REPRULES_INFER"
+DORMANT_ENV = "REPRULES_DORMANT"  # patch nothing until a rule is registered
 
 lock = threading.Lock()
 _depth = {"verify": 0, "strict": 0, "infer": 0}
@@ -39,6 +40,10 @@ def strict_on() -> bool:
 
 def inferring() -> bool:
     return _depth["infer"] > 0 or _env_on(INFER_ENV)
+
+
+def dormant() -> bool:
+    return _env_on(DORMANT_ENV)
 
 
 def modes() -> tuple[bool, bool, bool]:

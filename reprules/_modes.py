@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from reprules import _registry
-from reprules._mode_state import INFER_ENV, STRICT_ENV, VERIFY_ENV, enter, inferring, leave, strict_on, verifying
+from reprules._mode_state import (
+    DORMANT_ENV, INFER_ENV, STRICT_ENV, VERIFY_ENV, dormant, enter, inferring, leave, strict_on, verifying,
+)
 
-__all__ = ["INFER_ENV", "STRICT_ENV", "VERIFY_ENV", "inference", "inferring", "strict", "strict_on", "verify",
-           "verifying"]
+__all__ = ["DORMANT_ENV", "INFER_ENV", "STRICT_ENV", "VERIFY_ENV", "dormant", "inference", "inferring", "strict",
+           "strict_on", "verify", "verifying"]
 
 
 def _retrace() -> None:
@@ -124,6 +125,5 @@ def inference() -> Iterator[None]:
     finally:
         with _shim.lock:
             leave("infer")
-            if not inferring() and _registry.is_empty():
-                _shim.deactivate()
+            _shim.release()
         _retrace()

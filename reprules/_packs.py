@@ -26,7 +26,7 @@ import importlib.util
 import sys
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 GROUP = "reprules.rules"
@@ -60,6 +60,7 @@ _status: dict[str, PackStatus] = {}  # by covered module
 _entry_points: dict[str, importlib.metadata.EntryPoint] = {}
 _loading: contextvars.ContextVar[str | None] = contextvars.ContextVar("reprules_pack", default=None)
 _finder: _PostImportFinder | None = None
+_after: dict[str, list[Callable[[Any], None]]] = {}  # reprules' own post-import callbacks, by module
 
 
 def current_pack() -> str | None:
@@ -104,7 +105,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Loads a pack right after the module it covers finishes importing."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in _entry_points or fullname in sys.modules:
+        if (fullname not in _entry_points and fullname not in _after) or fullname in sys.modules:
             return None
         # Let the rest of sys.meta_path find the real spec, then wrap its loader.
         for finder in sys.meta_path:
@@ -126,6 +127,7 @@ class _LoadThenRegister(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
+        _run_after(module.__name__)
         _load(module.__name__)
 
     def __getattr__(self, name: str) -> Any:  # get_code, is_package, ...
@@ -157,6 +159,23 @@ def discover() -> None:
     for module_name in list(_entry_points):
         if module_name in sys.modules:
             _load(module_name)
+
+
+def after_import(module_name: str, callback: Callable[[Any], None]) -> None:
+    """Calls ``callback(module)`` right after ``module_name`` is imported, or now if
+    it already was (reprules' own use of the pack hook: arming the shim)."""
+    with _lock:
+        _after.setdefault(module_name, []).append(callback)
+    discover()
+    if module_name in sys.modules:
+        _run_after(module_name)
+
+
+def _run_after(module_name: str) -> None:
+    with _lock:
+        callbacks = _after.pop(module_name, [])
+    for callback in callbacks:
+        callback(sys.modules[module_name])
 
 
 def packs() -> list[PackStatus]:

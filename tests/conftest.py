@@ -29,6 +29,19 @@ def _clean_registry():
 
 
 @pytest.fixture
+def dormant():
+    """reprules as with ``REPRULES_DORMANT=1``: JAX patched only while rules (or
+    inference) need it. Importing Pallas arms reprules in every test otherwise."""
+    from reprules import _shim
+
+    was = _shim.armed()
+    _shim.disarm()
+    yield
+    if was:
+        _shim.arm()
+
+
+@pytest.fixture
 def mesh():
     """The (4, 2) ('data', 'model') mesh most tests run on."""
     from helpers import make_mesh

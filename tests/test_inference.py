@@ -360,17 +360,27 @@ def test_a_registered_rule_wins(mesh):
             jax.jit(f)(x)
 
 
-def test_off_by_default_and_nothing_stays_patched(mesh):
+def test_off_by_default_and_nothing_stays_patched(mesh, dormant):
     x = put(randn(0, (8, 16)), mesh, P("data", None))
     f = shard_map(fresh_copy, mesh, P("data", None), P("data", None))
     with reprules.inference():
         jax.jit(f)(x)
     from reprules import _shim
 
-    assert not _shim.active()  # nothing registered: every patch undone on exit
+    assert not _shim.active()  # dormant, nothing registered: every patch undone on exit
     with pytest.raises((NotImplementedError, ValueError)) as info:  # JAX's own refusal
         jax.jit(f)(x)
     assert not isinstance(info.value, reprules.ReprulesError)
+
+
+def test_after_inference_an_armed_reprules_names_the_missing_rule(mesh):
+    x = put(randn(0, (8, 16)), mesh, P("data", None))
+    f = shard_map(fresh_copy, mesh, P("data", None), P("data", None))
+    with reprules.inference():
+        jax.jit(f)(x)
+    with pytest.raises(reprules.MissingRuleError, match=r"has no replication rule") as info:
+        jax.jit(f)(x)
+    assert isinstance(info.value, (NotImplementedError, ValueError))  # what JAX alone raises
 
 
 def test_each_kernel_body_is_analysed_once(mesh, monkeypatch):

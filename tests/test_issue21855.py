@@ -98,7 +98,20 @@ def test_missing_rule_error_is_the_same_at_every_call(setup):
     assert str(error()) == str(first)
 
 
-def test_without_any_registration_jax_error_is_untouched(setup):
+def test_without_any_registration_reprules_names_the_missing_rule(setup):
+    """No first-use trap: with nothing registered, the kernel JAX refuses gets
+    reprules' error (the decorator to add), JAX's own text and exception type kept."""
+    mesh, x, w = setup
+    assert not reprules.registered()
+    with pytest.raises(reprules.MissingRuleError, match=r"(?s)has no replication rule.*@reprules\.replication_rule"
+                       r".*JAX's own error: .*(check_rep|check_vma)") as info:
+        jax.grad(make_loss(mesh, w, check=True))(x)
+    assert isinstance(info.value, (NotImplementedError, ValueError))
+    code = copy_kernel.__code__
+    assert f"(defined at {code.co_filename}:{code.co_firstlineno})" in str(info.value)  # its source line
+
+
+def test_dormant_without_any_registration_jax_error_is_untouched(setup, dormant):
     mesh, x, w = setup
     assert not reprules.registered()
     with pytest.raises((NotImplementedError, ValueError)) as info:

@@ -127,29 +127,34 @@ def test_call_built_while_another_kernels_rule_is_active(reprules, other_rule):
     Model(call).check()
 
 
-@pytest.mark.parametrize("reprules_before", ["idle", "active for another kernel"])
-def test_step_jitted_and_run_before_registration(reprules, reprules_before):
+@pytest.mark.parametrize("reprules_before", ["dormant", "armed", "active for another kernel"])
+def test_step_jitted_and_run_before_registration(reprules, reprules_before, request):
+    if reprules_before == "dormant":
+        request.getfixturevalue("dormant")
     kernel = fresh_kernel()
     model = Model(build(kernel))
-    if reprules_before != "idle":
+    if reprules_before == "active for another kernel":
         reprules.replication_rule()(other_kernel)
     x = np.asarray(model.x)
     assert max_err(model.unsharded_step(x[:2]), x[:2]) == 0.0  # runs (no shard_map)
     error = model.refused()  # no rule yet
-    assert isinstance(error, reprules.MissingRuleError) == (reprules_before != "idle")
+    assert isinstance(error, reprules.MissingRuleError) == (reprules_before != "dormant")
     # JAX's own words either way (JAX <= 0.5, then 0.6+).
     assert "No replication rule for pallas_call" in str(error) or "must not be `None`" in str(error)
     reprules.replication_rule()(kernel)
     model.check()  # the same jitted steps
 
 
-def test_unregister_then_register_again(reprules):
+@pytest.mark.parametrize("mode", ["dormant", "armed"])
+def test_unregister_then_register_again(reprules, mode, request):
+    if mode == "dormant":
+        request.getfixturevalue("dormant")
     kernel = fresh_kernel()
     model = Model(build(kernel))
     reprules.replication_rule()(kernel)
     model.check()
-    reprules.unregister(kernel)  # the last rule: JAX alone again, JAX's own refusal
-    assert not isinstance(model.refused(), reprules.ReprulesError)
+    reprules.unregister(kernel)  # the last rule: dormant, JAX alone again; armed, reprules' refusal
+    assert isinstance(model.refused(), reprules.MissingRuleError) == (mode == "armed")
     reprules.replication_rule()(kernel)
     model.check()
 

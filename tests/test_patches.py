@@ -107,7 +107,7 @@ def _sharded_copy():
 
 
 @pytest.fixture
-def pallas_bind():
+def pallas_bind(dormant):
     prim = _jax.pallas_call_p()
     assert "bind" not in vars(prim)
     yield prim
@@ -222,7 +222,7 @@ def _kernel_tracer():
     return module, "_trace_kernel_to_jaxpr" if hasattr(module, "_trace_kernel_to_jaxpr") else "_trace_to_jaxpr"
 
 
-def test_jaxs_kernel_tracing_cache_stays_reachable_while_patched():
+def test_jaxs_kernel_tracing_cache_stays_reachable_while_patched(dormant):
     """JAX 0.4.28 - 0.6 memoise kernel tracing in a ``weakref_lru_cache``; JAX's own
     Pallas tests import it and call ``cache_clear()`` in every ``setUp``. With a
     rule registered (the hook in place), they must still reach JAX's cache."""

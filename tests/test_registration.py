@@ -46,7 +46,7 @@ def test_conflicting_rule_raises_unless_override():
     assert reprules.registered()[COPY_KERNEL].rule == rules.varying("model")
 
 
-def test_unregister_removes_the_rule_and_restores_jax():
+def test_unregister_removes_the_rule_and_restores_jax(dormant):
     reprules.replication_rule()(copy_kernel)
     assert run_sharded(copy_kernel).shape == (8, 128)
     assert reprules.unregister(copy_kernel) is True

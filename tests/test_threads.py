@@ -177,7 +177,7 @@ class _WatchedLock:
         self._lock.release()
 
 
-def test_unregistering_the_last_kernel_while_another_thread_registers(monkeypatch):
+def test_unregistering_the_last_kernel_while_another_thread_registers(monkeypatch, dormant):
     """The interleaving made deterministic: thread A unregisters the last kernel
     and, inside ``deactivate``, waits until thread B asks for the lock to
     register another kernel. B must then wait for A's deactivation and activate

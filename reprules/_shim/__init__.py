@@ -10,9 +10,14 @@ regime       JAX               mechanism
 ``mat``      0.10.x - 0.12.x   ``manual_axis_type`` in the types
 ===========  ================  ============================================
 
-Nothing is patched until the first rule is registered, and everything is
-restored when the last one is removed, so a program that registers nothing
-runs exactly as without reprules.
+The shim is *armed* once ``import reprules`` and JAX's Pallas are both
+imported (``REPRULES_DORMANT=1`` leaves it disarmed): its patches are installed
+then, so that a kernel JAX would refuse for want of a rule gets reprules'
+:class:`reprules.MissingRuleError` even before any rule exists. The patches
+change only calls with a rule and that refusal: a program JAX accepts traces,
+lowers and computes exactly as with JAX alone. Disarmed, nothing is patched
+until the first rule is registered, and everything is restored when the last
+one is removed.
 
 The modules stand in layers, each importing only those below it
 (``tests/test_layering.py`` checks it):
@@ -22,7 +27,7 @@ The modules stand in layers, each importing only those below it
    ``_bodies`` (which kernel an equation belongs to);
 3. ``_effects``, ``_analysis``, ``infer`` (rules derived from a kernel body);
 4. ``_rules`` (the rule behind an equation), ``_taint``;
-5. adapters: ``_pallas_hooks``, ``pallas_call``, ``core_map``, ``primitives``,
+5. adapters: ``_pallas_hooks``, ``pallas_call``, ``_kernel_inference``, ``core_map``, ``primitives``,
    ``strict``, ``_bwd_trace``, ``custom_vjp``, ``_verify``, ``_source``;
 6. eras: ``rep`` (with ``rep_gaps``, ``custom_vjp_rep``), ``vma``, ``mat``; then this façade.
 """
@@ -34,7 +39,7 @@ from types import ModuleType
 
 import jax
 
-from reprules import _mode_state
+from reprules import _mode_state, _registry
 from reprules._errors import UnsupportedJaxError
 from reprules._shim import _bwd_trace, _jax, _rules, _source, infer, mat, rep, vma
 from reprules._shim._patches import Patches
@@ -57,6 +62,7 @@ _regime: ModuleType | None = None
 _installed: Patches | None = None
 _attached: dict[object, Patches] = {}  # per hooked primitive
 _strict_patches: Patches | None = None
+_armed = False  # held active without rules (see the module docstring)
 
 
 def regime() -> ModuleType:
@@ -176,6 +182,35 @@ def sync_strict() -> None:
 
 def active() -> bool:
     return _installed is not None
+
+
+def arm() -> None:
+    """Installs the patches and keeps them while reprules is imported (not only
+    while rules are registered)."""
+    global _armed
+    with _lock:
+        activate()
+        _armed = True
+
+
+def disarm() -> None:
+    """Back to installing patches only while rules (or inference) need them."""
+    global _armed
+    with _lock:
+        _armed = False
+        release()
+
+
+def armed() -> bool:
+    return _armed
+
+
+def release() -> None:
+    """Undoes every patch unless something still needs them: the shim is armed,
+    a rule is registered, or inference is on."""
+    with _lock:
+        if not _armed and _registry.is_empty() and not _mode_state.inferring():
+            deactivate()
 
 
 def held_patches() -> list[tuple[str, bool]]:

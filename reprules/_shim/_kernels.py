@@ -150,6 +150,12 @@ def kernel_site(params: dict[str, Any], name: str) -> tuple[str, int, bool] | No
     return None
 
 
+def site_text(params: dict[str, Any]) -> str:
+    """``file:line`` of the kernel function of a ``pallas_call_p`` equation, or ``""``."""
+    site = kernel_site(params, kernel_name_from_params(params))
+    return f"{site[0]}:{site[1]}" if site else ""
+
+
 def could_be(reg: Registration, name: str, site: tuple[str, int, bool] | None) -> bool:
     code = code_of(reg.kernel())
     if site is None or code is None:

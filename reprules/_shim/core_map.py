@@ -67,7 +67,7 @@ import jax
 from reprules import _errors, _mode_state
 from reprules._decide import decide
 from reprules._registry import Registration, kernel_name, lookup
-from reprules._shim import _bodies, _frames, _jax, _kernels, _rules, _verify, infer
+from reprules._shim import _bodies, _frames, _jax, _kernel_inference, _kernels, _rules, _verify, infer
 from reprules._shim._patches import Patches
 from reprules._shim._rules import kernel_registration_of
 from reprules._shim._types import TypeField, cast_up, checking, manual_axes
@@ -203,7 +203,7 @@ class _Hooks:
             # A Ref operand (jax.new_ref(w) passed to the kernel) keeps the type JAX gave
             # it outside: a Ref cannot be cast (pvary refuses one), and the rule's output
             # types do not need it to be (the output refs carry them).
-            if target - now and not _is_ref(init_val):
+            if target - now and not _kernel_inference.is_ref(init_val):
                 init_val = cast_up(init_val, target - now)
             return original(init_val, *args, **kwargs)
 
@@ -234,7 +234,7 @@ class _Hooks:
         acts = _state.activations
         if acts and acts[-1].frame is wrapper:
             return acts[-1]
-        if _trialing.get():  # reprules' own trace of a body, for inference
+        if _kernel_inference.trialing.get():  # reprules' own trace of a body, for inference
             return None
         local = _frames.frame_locals(wrapper)
         reg = lookup(local.get("body"))
@@ -244,7 +244,7 @@ class _Hooks:
         if reg is None:
             if not _rules.infers_function(local.get("body")):
                 return None
-            found = _infer_kernel(local, len(operands), len(out_leaves))
+            found = _kernel_inference.for_kernel_call(local, len(operands), len(out_leaves))
             if not isinstance(found, Registration):
                 raise self._refusal(local, found)
             reg = found
@@ -264,7 +264,7 @@ class _Hooks:
 
         def bind(*args: Any, **params: Any) -> Any:
             wrapped = _frames.outside_reprules()
-            if wrapped is None or wrapped.f_code is not codes.core_map_wrapped or _trialing.get():
+            if wrapped is None or wrapped.f_code is not codes.core_map_wrapped or _kernel_inference.trialing.get():
                 return original(*args, **params)  # a re-bind (discharge, vmap, ...)
             outer = wrapped.f_back
             if outer is not None and codes.kernel_wrapper is not None and outer.f_code is codes.kernel_wrapper:
@@ -333,6 +333,10 @@ class _Hooks:
             token = _letting_through.set(let)
             try:
                 wrapper = original(*args, **kwargs)
+            except ValueError as err:  # JAX's refusal of an unannotated out_shape: say what to add
+                if checked and not let and fns and f"`{field.sds_keyword}`" in str(err):
+                    raise _rule_less_body(fns[0], err) from err
+                raise
             finally:
                 _letting_through.reset(token)
             code = getattr(wrapper, "__code__", None)
@@ -404,7 +408,7 @@ class _Hooks:
             made = _outputs_of(local.get("flat_out_avals"), len(out_avals))
             num_user = len(local.get("flat_args", args))
             if not registered:
-                found = _infer_mpmd(params, args) if any(map(_rules.infers_function, fns)) else None
+                found = _kernel_inference.for_mpmd_call(params, args) if any(map(_rules.infers_function, fns)) else None
                 if not isinstance(found, Registration):
                     if any(made.let_through):
                         name = _rules.kernel_name(params)
@@ -431,7 +435,7 @@ class _Hooks:
             cast = list(user)
             if decision.inputs is not None:
                 for i, (x, now, target) in enumerate(zip(user, in_vary, decision.inputs)):
-                    if target - now and not _is_ref(x):
+                    if target - now and not _kernel_inference.is_ref(x):
                         cast[i] = cast_up(x, target - now)
             # Typed by the rule unless the user's annotation made the type. For a kernel
             # object built before reprules activated, only a varying type shows one.
@@ -452,7 +456,7 @@ class _Hooks:
         JAX like that ref; the derived rule must not need it to vary over more (as
         on 0.8 and 0.10, where the discharged kernel's own bind is checked). A
         refusal leaves JAX's types, as for any kernel inference cannot follow."""
-        found = _infer_mpmd(params, args)
+        found = _kernel_inference.for_mpmd_call(params, args)
         if not isinstance(found, Registration):
             return
         out_avals = tuple(params.get("out_avals", ()))
@@ -486,96 +490,6 @@ class _Hooks:
         return first
 
 
-def _infer_mpmd(params: dict[str, Any], args: Sequence[Any]) -> Registration | infer.Refusal:
-    """The rule derived from the bodies of an ``mpmd_map`` made by ``pl.kernel`` (0.10+).
-
-    Each body takes the call's operands (the user's, then the refs it captured),
-    the outputs, then its scratch buffers. An operand that is a ``Ref`` is the
-    caller's own memory; any other is copied into the kernel."""
-    jaxprs = tuple(params.get("jaxprs", ()))
-    num_in, num_out = len(args), len(params.get("out_avals", ()))
-    is_ref = tuple(_is_ref(a) for a in args)
-    aliases = {int(o): int(i) for i, o in dict(params.get("input_output_aliases") or {}).items()}
-    kernel_axes = infer.own_axes(_mesh_axes(*params.get("meshes", ())))
-
-    def derive() -> infer.InferredRule | infer.Refusal:
-        if not jaxprs:
-            return infer.Refusal("mpmd_map", "has no body jaxpr reprules can read", "")
-        num_scratch = len(jaxprs[0].invars) - num_in - num_out
-        roles = [("ref" if r else "in", i) for i, r in enumerate(is_ref)]
-        roles += [("out", j) for j in range(num_out)] + [("scratch", 0)] * max(num_scratch, 0)
-        return infer.for_kernel_bodies(jaxprs, roles, num_in, num_out, aliases, kernel_axes)
-
-    key = ("mpmd_map", is_ref, num_out, tuple(sorted(aliases.items())), kernel_axes)
-    return infer.kernel_registration(jaxprs, key, _rules.kernel_name(params), derive)
-
-
-# Set while reprules traces a pl.kernel body itself (0.8 - 0.9 inference): its hooks stand aside.
-_trialing: contextvars.ContextVar[bool] = contextvars.ContextVar("reprules_kernel_trial", default=False)
-
-
-def _infer_kernel(local: dict[str, Any], num_in: int, num_out: int) -> Registration | infer.Refusal:
-    """The rule derived for a 0.8 - 0.9 ``pl.kernel`` call, from the frame of JAX's closure.
-
-    JAX makes the output refs before it traces the body, and types the outputs by
-    them, so the body is traced here first, as JAX would trace it (the same
-    ``_make_kernel``, on the operands' shapes, with checking off: only the
-    dataflow is read), and its ``core_map`` body is analysed."""
-    helpers = _jax.module("jax._src.pallas.helpers")  # 0.8+
-    body = local.get("body")
-    name = kernel_name(body)
-    avals = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype),
-                                   tuple(local.get("operands", ())))
-    token = _trialing.set(True)
-    try:
-        made = helpers._make_kernel(
-            body, local.get("out_shape", ()), local.get("mesh"),
-            scratch_shapes=local.get("scratch_shapes", ()), name=local.get("name"),
-            **(local.get("mesh_kwargs") or {}),
-        )
-        with _jax.config._check_vma(False):
-            closed = jax.make_jaxpr(made)(*avals)
-    except Exception as err:  # noqa: BLE001 - the real trace will raise it again, or not
-        return infer.Refusal("pl.kernel", f"could not be traced by reprules ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0] if str(err) else ''})", "")
-    finally:
-        _trialing.reset(token)
-    jaxpr = closed.jaxpr
-    while len(jaxpr.eqns) == 1 and jaxpr.eqns[0].primitive.name in ("pjit", "jit"):
-        jaxpr = jaxpr.eqns[0].params["jaxpr"].jaxpr
-    roles: dict[Any, tuple[str, int]] = {}
-    outs = 0
-    core_maps = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("new_ref", "mutable_array"):
-            source = eqn.invars[0]
-            if source in jaxpr.invars:
-                roles[eqn.outvars[0]] = ("in", jaxpr.invars.index(source))
-            else:
-                roles[eqn.outvars[0]] = ("out", outs)
-                outs += 1
-        elif eqn.primitive.name == "core_map":
-            core_maps.append(eqn)
-    if len(core_maps) != 1 or outs != num_out or len(jaxpr.invars) != num_in:
-        return infer.Refusal("pl.kernel", "was traced by reprules into a program it does not "
-                             "recognise (one core_map over the operand and output refs)", "")
-    (eqn,) = core_maps
-    body_jaxpr = eqn.params["jaxpr"]
-    if any(v not in roles for v in eqn.invars) or len(eqn.invars) != len(body_jaxpr.constvars):
-        return infer.Refusal("pl.kernel", "closes over values from outside the kernel (pass them "
-                             "as operands), which inference does not track", "")
-    # The body's invars are the scratch buffers core_map allocates itself (0.9).
-    operand_roles = [roles[v] for v in eqn.invars] + [("scratch", 0)] * len(body_jaxpr.invars)
-    kernel_axes = infer.own_axes(_mesh_axes(eqn.params.get("mesh")))
-    derived = infer.for_kernel_bodies((body_jaxpr,), operand_roles, num_in, num_out, {}, kernel_axes)
-    return infer.kernel_registration((body_jaxpr,), ("core_map", kernel_axes), name, lambda: derived)
-
-
-def _mesh_axes(*meshes: Any) -> list[Any]:
-    """The axis names of Pallas kernel meshes (each has a ``shape`` mapping)."""
-    return [name for mesh in meshes for name in dict(getattr(mesh, "shape", None) or {})]
-
-
 def _forget_outputs(key: int, avals: tuple[Any, ...]) -> None:
     with _outputs_lock:
         record = _outputs.get(key)
@@ -593,5 +507,10 @@ def _outputs_of(avals: Any, count: int) -> _Outputs:
     return _Outputs(avals=(), honoured=(False,) * count, let_through=(False,) * count)
 
 
-def _is_ref(x: Any) -> bool:
-    return hasattr(jax.typeof(x), "inner_aval")
+def _rule_less_body(body: Any, refusal: Exception) -> _errors.MissingRuleError:
+    """JAX refused a rule-less ``pl.kernel`` body's out_shape (0.10+): reprules' error, JAX's text kept."""
+    code = _kernels.code_of(body)
+    return _errors.MissingRuleError(_errors.missing_rule_message(
+        kernel_name(body), manual_axes(), _jax.JAX_VERSION, jax_error=str(refusal),
+        site=f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "",
+    ))

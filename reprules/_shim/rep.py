@@ -20,7 +20,7 @@ from reprules import _errors, _mode_state
 from reprules._decide import decide
 from reprules._registry import Registration
 from reprules.rules import Decision, VaryingSet
-from reprules._shim import _jax, _pallas_hooks, _rules, _verify, custom_vjp_rep, infer, rep_gaps
+from reprules._shim import _jax, _kernels, _pallas_hooks, _rules, _verify, custom_vjp_rep, infer, rep_gaps
 from reprules._shim._patches import Patches
 from reprules._shim._rules import Opaque
 from reprules._shim._types import rep_manual_axes as manual_axes
@@ -85,6 +85,7 @@ def attach(op: Opaque, patches: Patches) -> None:
                 op.name(params), manual_axes(mesh), _jax.JAX_VERSION, kind=op.kind,
                 jax_error=str(jax_error),
                 inference=_rules.inference_note(params, manual_axes(mesh)) if op.prim is _jax.pallas_call_p() else "",
+                site=_kernels.site_text(params) if op.prim is _jax.pallas_call_p() else "",
             )
         )
         error.__cause__ = jax_error
@@ -136,8 +137,10 @@ def attach(op: Opaque, patches: Patches) -> None:
             )
         return outs, reps
 
-    patches.setitem(sm._check_rules, op.prim, check_rule)  # type: ignore[attr-defined]  # JAX <= 0.5 only
-    patches.setitem(sm._rewrite_rules, op.prim, rewrite_rule)  # type: ignore[attr-defined]  # JAX <= 0.5 only
+    patches.setitem(sm._check_rules, op.prim, check_rule,  # type: ignore[attr-defined]  # JAX <= 0.5 only
+                    label=f"jax.experimental.shard_map._check_rules[{op.prim.name}]")
+    patches.setitem(sm._rewrite_rules, op.prim, rewrite_rule,  # type: ignore[attr-defined]  # JAX <= 0.5 only
+                    label=f"jax.experimental.shard_map._rewrite_rules[{op.prim.name}]")
 
 
 def _num_results(prim: Any) -> int:
