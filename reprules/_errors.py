@@ -65,7 +65,7 @@ def missing_rule_message(
     """The message of :class:`MissingRuleError`; ``jax_error`` is the text of the
     error JAX alone raises in the same situation, quoted at the end;
     ``inference`` why ``reprules.inference()`` could not derive a rule; ``site``
-    the kernel's ``file:line``."""
+    where the kernel is (``defined at file:line``)."""
     name = kernel_name.split(" ")[0]
     axes = tuple(mesh_axes)
     if kind == "Pallas kernel":
@@ -99,7 +99,7 @@ def missing_rule_message(
             f"    reprules.replication_rule(rules.same())(<the {name} {kind.split()[-1]} object>)"
         )
     return (
-        f"The {kind} {name!r}{f' (defined at {site})' if site else ''} has no replication rule, so it cannot run "
+        f"The {kind} {name!r}{f' ({site})' if site else ''} has no replication rule, so it cannot run "
         f"inside a shard_map with checking on (mesh axes {fmt_axes(axes)}, "
         f"JAX {jax_version}).\n"
         f"Why: the {kind} is opaque to JAX, which therefore cannot tell over which "

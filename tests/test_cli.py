@@ -296,8 +296,8 @@ def test_user_target_whose_checked_step_fails(target, capsys):
     assert "Traceback" not in err
     assert re.fullmatch(
         re.escape(f"reprules audit: error: {target}:unruled: the step failed, reprules (checking on): "
-                  "MissingRuleError: The Pallas kernel 'user_copy_kernel' (defined at ")
-        + r"\S+user_steps\.py:\d+" + re.escape(") has no replication rule, so it cannot run inside a shard_map "
+                  "MissingRuleError: The Pallas kernel 'user_copy_kernel' (")
+        + r"(defined|traced) at \S+user_steps\.py:\d+" + re.escape(") has no replication rule, so it cannot run inside a shard_map "
                                             "with checking on (mesh axes {'data', 'model'}, "
                                             f"JAX {jax.__version__}).\n"), err)
     _lines_fit(out)
@@ -305,7 +305,7 @@ def test_user_target_whose_checked_step_fails(target, capsys):
     assert re.search(r"\n +defensive +1 \(1024 B\)\n", block)  # "off" is still shown
     assert re.search(r"kernels, checking off:\n.*\n +user_copy_kernel +pallas_call +2 +NO RULE ", block)
     assert re.search(r"(?s)\n   FAILED:\n     reprules \(checking on\): MissingRuleError: The Pallas kernel "
-                     r"'user_copy_kernel' \(defined at\s.*has\s+no\s.*\n     Fix: declare it once", block)
+                     r"'user_copy_kernel' \((defined|traced) at\s.*has\s+no\s.*\n     Fix: declare it once", block)
     assert "@reprules.replication_rule()   # above `def user_copy_kernel(...)`" in out
 
 

@@ -64,7 +64,7 @@ def _sharded(fn, mesh):
 
 @pytest.mark.skipif(NEW_SHARD_MAP, reason="JAX >= 0.6 has these rules itself (the test below covers it)")
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_jax_alone_refuses_these_programs(name):
+def test_jax_alone_refuses_these_programs(name, dormant):
     fn, differentiable, kind = PROGRAMS[name]
     mesh, x, w, _ = _data()
     if name == "cond" and jax.__version_info__ >= (0, 4, 38):

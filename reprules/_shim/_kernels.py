@@ -151,9 +151,12 @@ def kernel_site(params: dict[str, Any], name: str) -> tuple[str, int, bool] | No
 
 
 def site_text(params: dict[str, Any]) -> str:
-    """``file:line`` of the kernel function of a ``pallas_call_p`` equation, or ``""``."""
+    """``defined at file:line`` of the kernel function of a ``pallas_call_p`` equation
+    (``traced at`` a line of its body on 0.4.28, which records no site), or ``""``."""
     site = kernel_site(params, kernel_name_from_params(params))
-    return f"{site[0]}:{site[1]}" if site else ""
+    if site is None:
+        return ""
+    return f"{'defined' if site[2] else 'traced'} at {site[0]}:{site[1]}"
 
 
 def could_be(reg: Registration, name: str, site: tuple[str, int, bool] | None) -> bool:

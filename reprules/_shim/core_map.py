@@ -512,5 +512,5 @@ def _rule_less_body(body: Any, refusal: Exception) -> _errors.MissingRuleError:
     code = _kernels.code_of(body)
     return _errors.MissingRuleError(_errors.missing_rule_message(
         kernel_name(body), manual_axes(), _jax.JAX_VERSION, jax_error=str(refusal),
-        site=f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "",
+        site=f"defined at {code.co_filename}:{code.co_firstlineno}" if code is not None else "",
     ))
