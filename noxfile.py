@@ -41,6 +41,10 @@ PYTHON_SUITE = [
 ]
 
 
+EJKERNEL = "ejkernel==0.0.80.3"
+EJKERNEL_IMPORTS = ["beartype", "chex", "einops", "pydantic", "tqdm"]
+
+
 def _install(session: nox.Session, *args: str) -> None:
     # Bytecode at install time (pip's default; uv's only when asked): a machine that sets
     # PYTHONDONTWRITEBYTECODE would otherwise compile JAX from source in every process the
@@ -55,6 +59,11 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
     if tokamax and jax == JAX_MATRIX[-1]:
         extras += ",tokamax"
     _install(session, f"jax=={jax}", f"jaxlib=={jax}", "-e", f".[{extras}]")
+    if tokamax and jax == JAX_MATRIX[-1]:
+        # ejkernel pins jax~=0.10 but imports and runs on the newest JAX: installed without its
+        # pins (its pack's test, tests/test_ejkernel.py), with the pure-Python packages it imports.
+        _install(session, "--no-deps", EJKERNEL)
+        _install(session, *EJKERNEL_IMPORTS)
     # The soundness fuzzer (tests/test_fuzz_inference.py): a seed that changes between runs,
     # printed here so that a failure can be replayed; 300 kernels on the newest JAX, 100 elsewhere.
     seed = os.environ.get("REPRULES_FUZZ_SEED") or str(int(time.time()) % 2**31)

@@ -18,8 +18,10 @@ replicated key/value head shared by sharded query heads) are cast up to that
 union, which is free in the forward pass; the backward pass then psums their
 gradients over exactly the axes they were cast over (or, for ops with a
 ``custom_vjp``, the cotangent is psummed over the axes it varies over and its
-primal does not). Kernels nested inside an op's Python function cannot be
-registered from outside and are not covered; see the README.
+primal does not). Ops whose kernels are nested inside the op's Python function
+(made anew on every call: megablox, TPU paged attention, ragged paged
+attention, the TPU PRNG) get ``rules.inferred()`` on ``kernels_in(module)``
+instead, as the tokamax pack does (see the functions at the end).
 """
 
 from __future__ import annotations
@@ -145,3 +147,47 @@ def matmul_tpu(module: ModuleType) -> None:
 def example_kernel_tpu(module: ModuleType) -> None:
     """``ops.tpu.example_kernel`` (0.4.28+): elementwise ``double``."""
     _register(module, rules.same(), "example_kernel_tpu")
+
+
+# --- ops whose kernels are nested functions, made anew on every call: rules derived from bodies ---
+
+
+def _inferred(module: ModuleType) -> None:
+    """``rules.inferred()`` on every kernel defined in ``module``'s source (its package, for a
+    package's ``__init__``): nothing to name ahead of time, so each kernel gets the rule
+    ``reprules.inference()`` derives from its body, or a ``MissingRuleError`` saying why not."""
+    reprules.replication_rule(rules.inferred())(reprules.kernels_in(module.__name__))
+
+
+def megablox(module: ModuleType) -> None:
+    """``ops.tpu.megablox`` (``gmm``, ``tgmm``): kernels nested in ``gmm``/``tgmm``.
+
+    Per-tile matmuls over local rows with scalar-prefetched group metadata; no
+    communication. Derived: ``gmm``'s output varies like the tokens, a
+    replicated weight's gradient (``tgmm``, a per-shard partial sum) is
+    psummed over exactly the token axes.
+    """
+    _inferred(module)
+
+
+def paged_attention_tpu(module: ModuleType) -> None:
+    """``ops.tpu.paged_attention``: the kernel is nested in ``paged_attention``.
+
+    Per-sequence attention reading pages by block table (scalar prefetch) from
+    a page pool read whole on each device: output varies like the sequences.
+    """
+    _inferred(module)
+
+
+def ragged_paged_attention_tpu(module: ModuleType) -> None:
+    """``ops.tpu.ragged_paged_attention``: the kernel is nested in ``ragged_paged_attention``."""
+    _inferred(module)
+
+
+def random_tpu(module: ModuleType) -> None:
+    """``ops.tpu.random`` (threefry, philox): counter-based PRNG kernels nested per call.
+
+    Bits depend on the key alone: replicated key, replicated bits; a key
+    sharded over an axis, bits varying over it. (``prng_utils`` holds no kernel.)
+    """
+    _inferred(module)
