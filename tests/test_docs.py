@@ -172,3 +172,23 @@ def test_every_page_is_in_the_nav():
     config = (ROOT / ".docs" / "mkdocs.yml").read_text()
     pages = {str(p.relative_to(ROOT / ".docs" / "pages")) for p in PAGES}
     assert pages == set(re.findall(r":\s*([\w/.-]+\.md)\s*$", config, re.M))
+
+
+# The docs' effect-model table names each class by these words (first column).
+EFFECT_CLASS_WORDS = {"pure": "pure", "refs": "refs", "fresh": "fresh", "observe": "observe",
+                      "seed": "PRNG seed", "draw": "PRNG draw", "keyed": "keyed"}
+
+
+def test_the_effect_model_page_has_every_class_the_code_uses():
+    """Every class ``effect_table()`` gives a primitive on this JAX is a row of the docs' table,
+    and every row is a class the code has (the code's table and the page say the same)."""
+    from reprules._shim import _effects
+
+    page = (pathlib.Path(__file__).parent.parent / ".docs" / "pages" / "inference.md").read_text()
+    table = page[page.index("## The effect model"):]
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    used = {part.split(" ")[0] for kind in _effects.effect_table().values() for part in kind.split("|")}
+    assert used <= set(EFFECT_CLASS_WORDS), used - set(EFFECT_CLASS_WORDS)
+    for kind in EFFECT_CLASS_WORDS.values():
+        assert any(row.startswith(kind) for row in rows[1:]), f"no row for {kind!r} in the docs' table"
+    assert len(rows) - 1 == len(EFFECT_CLASS_WORDS)  # the header row aside: no class the code lacks
