@@ -29,7 +29,7 @@ def for_mpmd_call(params: dict[str, Any], args: Sequence[Any]) -> Registration |
     caller's own memory; any other is copied into the kernel."""
     jaxprs = tuple(params.get("jaxprs", ()))
     num_in, num_out = len(args), len(params.get("out_avals", ()))
-    is_ref = tuple(is_ref(a) for a in args)
+    refs = tuple(is_ref(a) for a in args)
     aliases = {int(o): int(i) for i, o in dict(params.get("input_output_aliases") or {}).items()}
     kernel_axes = infer.own_axes(_mesh_axes(*params.get("meshes", ())))
 
@@ -37,11 +37,11 @@ def for_mpmd_call(params: dict[str, Any], args: Sequence[Any]) -> Registration |
         if not jaxprs:
             return infer.Refusal("mpmd_map", "has no body jaxpr reprules can read", "")
         num_scratch = len(jaxprs[0].invars) - num_in - num_out
-        roles = [("ref" if r else "in", i) for i, r in enumerate(is_ref)]
+        roles = [("ref" if r else "in", i) for i, r in enumerate(refs)]
         roles += [("out", j) for j in range(num_out)] + [("scratch", 0)] * max(num_scratch, 0)
         return infer.for_kernel_bodies(jaxprs, roles, num_in, num_out, aliases, kernel_axes)
 
-    key = ("mpmd_map", is_ref, num_out, tuple(sorted(aliases.items())), kernel_axes)
+    key = ("mpmd_map", refs, num_out, tuple(sorted(aliases.items())), kernel_axes)
     return infer.kernel_registration(jaxprs, key, _rules.kernel_name(params), derive)
 
 
