@@ -29,6 +29,7 @@ from reprules._errors import MissingRuleError as MissingRuleError
 from reprules._errors import PatchWarning as PatchWarning
 from reprules._errors import RegistrationError as RegistrationError
 from reprules._errors import ReplicationMismatchError as ReplicationMismatchError
+from reprules._errors import ReplicationWarning as ReplicationWarning
 from reprules._errors import ReprulesError as ReprulesError
 from reprules._errors import RuleError as RuleError
 from reprules._errors import StrictModeError as StrictModeError
@@ -73,6 +74,7 @@ __all__ = [
     "Registration",
     "RegistrationError",
     "ReplicationMismatchError",
+    "ReplicationWarning",
     "ReprulesError",
     "RuleDecorator",
     "RuleError",

@@ -143,6 +143,29 @@ def annotation_message(
     )
 
 
+class ReplicationWarning(UserWarning):
+    """A hand-written ``out_shape`` annotation said an output is replicated over
+    an axis the kernel's body makes it depend on; reprules typed the output by
+    the union of the annotation and the derived varying axes (more varying is
+    always sound) rather than refuse it. ``reprules.strict()`` refuses instead."""
+
+
+def annotation_union_message(kernel: str, index: int, missing: Iterable[str], typed: Iterable[str],
+                             mesh_axes: Iterable[str], jax_version: str, site: str = "") -> str:
+    """:class:`ReplicationWarning`: an annotation too small for what the body shows, widened."""
+    over = fmt_axes(missing)
+    at = f" (the out_shape was passed at {site})" if site else ""
+    return (
+        f"The out_shape of {kernel}{at} annotates output {index} as replicated over {over}, but its "
+        f"body (analysed by reprules' inference) makes it depend on inputs that vary over {over} "
+        f"(mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version}). reprules typed the output varying over "
+        f"{fmt_axes(typed)}, the union of the annotation and the body; a gradient that needs it gets its "
+        f"psum over {over}. Under JAX alone this gradient would be silently wrong. Fix the annotation "
+        "at its source, or cast the input it derives its type from up first (jax.lax.pcast(..., "
+        "to='varying')), to silence this; reprules.strict() refuses such an annotation instead."
+    )
+
+
 class ReplicationMismatchError(ReprulesError, RuntimeError):
     """Verify mode found an output that differs across an axis its rule calls replicated."""
 

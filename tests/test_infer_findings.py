@@ -128,7 +128,7 @@ def test_a_failed_program_leaves_no_state_for_the_next(mesh, failure):
     with reprules.inference():
         with pytest.raises(raised):
             jax.jit(shard_map(program, mesh, (P("data", None), P()), P("data", None)))(x, w)
-        with pytest.raises(reprules.RuleError) as refused:
+        with reprules.strict(), pytest.raises(reprules.RuleError) as refused:  # strict: refused, not widened
             jax.jit(shard_map(replicated_claim, mesh, P("data", None), P()))(x)
     message = str(refused.value)
     assert message.startswith(

@@ -387,7 +387,7 @@ def test_a_hand_annotation_that_contradicts_the_body_is_refused(mesh):
         return pl.kernel(body, sds(x, ()), mesh=tc_mesh())(x)  # annotated replicated
 
     f = shard_map(claim, mesh, P("data", None), P())
-    with reprules.inference(), pytest.raises(
+    with reprules.inference(), reprules.strict(), pytest.raises(  # strict keeps the refusal (else: the union)
         reprules.RuleError, match=r"(?s)'body' annotates output 0 as replicated over \{'data'\}.*pcast"
     ):
         jax.jit(f)(x)

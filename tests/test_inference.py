@@ -534,5 +534,6 @@ def test_a_hand_annotation_that_contradicts_the_body_is_refused(mesh):
         return pl.pallas_call(kernel, out_shape=out, interpret=True)(x)
 
     f = shard_map(replicated_claim, mesh, P("data", None), P())  # P(): one shard as "the" value
-    with reprules.inference(), pytest.raises(reprules.RuleError, match=r"(?s)annotates output 0 as replicated over \{'data'\}.*pcast"):
+    with reprules.inference(), reprules.strict(), pytest.raises(  # strict keeps the refusal (else: the union)
+            reprules.RuleError, match=r"(?s)annotates output 0 as replicated over \{'data'\}.*pcast"):
         jax.jit(f)(x)

@@ -135,20 +135,27 @@ def test_ragged_dot_forward_without_the_cast(mesh, cpu_as_tpu):
     assert max_err(out, _ragged_reference(lhs, rhs, t)[0]) < 1e-3
 
 
-def test_ragged_dot_weight_gradient_without_the_cast_is_refused_not_wrong(mesh, cpu_as_tpu):
+def test_ragged_dot_weight_gradient_without_the_cast_is_widened_and_exact(mesh, cpu_as_tpu):
     """tokamax's ragged_dot VJP annotates the weight gradient's out_shape with the
     weight's own (replicated) type, although it is a per-shard partial sum: JAX
-    would skip its psum over 'data' and return a wrong gradient. Inference sees
-    the body depends on data-varying inputs and refuses the annotation."""
+    alone would skip its psum over 'data' and return a wrong gradient. Inference
+    sees the body depends on data-varying inputs: the output is typed by the
+    union (varying over 'data'), with a ReplicationWarning, and reprules'
+    custom_vjp fix adds exactly the psum over 'data'."""
+    from reprules._shim import _union
+
+    _union._warned.clear()
     lhs, rhs, t = _ragged_inputs(mesh)
     f = shard_map(_ragged_dot(cast_weight=False), mesh, (P("data", None), P()), P("data", None))
+    grad = jax.grad(lambda lhs, rhs: (f(lhs, rhs) * t).sum(), argnums=(0, 1))
 
-    def loss(rhs):
-        return (f(lhs, rhs) * t).sum()
-
-    with cpu_as_tpu():
-        with pytest.raises(reprules.RuleError, match=r"(?s)annotates output 0 as replicated over \{'data'\}.*pcast"):
-            jax.jit(jax.grad(loss))(rhs)
+    with cpu_as_tpu(), pytest.warns(reprules.ReplicationWarning, match=r"(?s)'pallas_tpu_ragged_dot_tgmm'.*silently wrong"):
+        psums = psum_axes(grad, lhs, rhs)
+        glhs, grhs = jax.jit(grad)(lhs, rhs)
+    _, expected_lhs, expected_rhs = _ragged_reference(lhs, rhs, t)
+    assert max_err(glhs, expected_lhs) < 1e-3
+    assert max_err(grhs, expected_rhs) / np.abs(expected_rhs).max() < 1e-5
+    assert psums == [("data",)]  # the weight gradient's psum; nothing over 'model'
 
 
 def test_router_topk_forward_equals_lax_top_k(mesh, cpu_as_tpu):

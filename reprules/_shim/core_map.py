@@ -67,7 +67,7 @@ import jax
 from reprules import _errors, _mode_state
 from reprules._decide import decide
 from reprules._registry import Registration, kernel_name, lookup
-from reprules._shim import _bodies, _frames, _jax, _kernel_inference, _kernels, _rules, _verify, infer
+from reprules._shim import _bodies, _frames, _jax, _kernel_inference, _kernels, _rules, _union, _verify, infer
 from reprules._shim._patches import Patches
 from reprules._shim._rules import kernel_registration_of
 from reprules._shim._types import TypeField, cast_up, checking, manual_axes
@@ -431,7 +431,9 @@ class _Hooks:
             if isinstance(reg.rule, infer.InferredRule):
                 kept = [h or (not let and bool(self.field.varying(a)))
                         for a, h, let in zip(out_avals, made.honoured, made.let_through)]
-                self._check_annotations(reg, params, out_avals, decision.outputs, kept)
+                widened = self._check_annotations(reg, params, out_avals, decision.outputs, kept)
+            else:
+                widened = {}
             cast = list(user)
             if decision.inputs is not None:
                 for i, (x, now, target) in enumerate(zip(user, in_vary, decision.inputs)):
@@ -440,8 +442,9 @@ class _Hooks:
             # Typed by the rule unless the user's annotation made the type. For a kernel
             # object built before reprules activated, only a varying type shows one.
             typed = tuple(
-                a if honoured or (not let and self.field.varying(a)) else self.field.retype(a, v)
-                for a, v, honoured, let in zip(out_avals, decision.outputs, made.honoured, made.let_through)
+                widened.get(i, a) if honoured or (not let and self.field.varying(a)) else self.field.retype(a, v)
+                for i, (a, v, honoured, let) in enumerate(
+                    zip(out_avals, decision.outputs, made.honoured, made.let_through))
             )
             with _kernels.tracing(reg):
                 out = original(*cast, *rest, **{**params, "out_avals": typed})
@@ -461,20 +464,18 @@ class _Hooks:
             return
         out_avals = tuple(params.get("out_avals", ()))
         decision = decide(found, self._context(found, len(args), len(out_avals)), self._in_varying(args))
-        self._check_annotations(found, params, out_avals, decision.outputs, [True] * len(out_avals))
+        self._check_annotations(found, params, out_avals, decision.outputs, [True] * len(out_avals),
+                                can_widen=False)  # discharged: JAX's types stand, so refuse
 
     def _check_annotations(self, reg: Registration, params: dict[str, Any], out_avals: Sequence[Any],
-                           derived: Sequence[frozenset[str]], kept: Sequence[bool]) -> None:
-        """Under inference, an out_shape annotated by hand (kept as JAX typed it) must not
-        claim an output replicated over an axis the body shows it depends on."""
+                           derived: Sequence[frozenset[str]], kept: Sequence[bool],
+                           can_widen: bool = True) -> dict[int, Any]:
+        """Under inference, an out_shape annotated by hand (kept as JAX typed it) that
+        claims an output replicated over an axis the body shows it depends on is
+        widened to the union (see ``_union``), or refused where it cannot be."""
         aliased = {int(o): int(i) for i, o in dict(params.get("input_output_aliases") or {}).items()}
-        for i, (aval, needed, keep) in enumerate(zip(out_avals, derived, kept)):
-            missing = needed - self.field.varying(aval)
-            if keep and missing:
-                raise _errors.RuleError(_errors.annotation_message(
-                    f"pl.kernel (or pl.core_map) body {reg.name!r}", i, missing, needed, manual_axes(),
-                    _jax.JAX_VERSION, aliased.get(i),
-                ))
+        return _union.widen(self.field, f"pl.kernel (or pl.core_map) body {reg.name!r}", reg.where or "",
+                            out_avals, derived, kept, aliased, can_widen)
 
     def _agreed(self, registered: list[tuple[Any, Registration]], num_bodies: int,
                 in_vary: tuple[frozenset[str], ...], num_out: int) -> Decision:

@@ -40,7 +40,7 @@ import jax
 from reprules import _errors
 from reprules._decide import decide_call
 from reprules._registry import Registration
-from reprules._shim import _frames, _jax, _kernels, _pallas_hooks, _rules, _verify, infer
+from reprules._shim import _frames, _jax, _kernels, _pallas_hooks, _rules, _union, _verify, infer
 from reprules._shim._patches import Patches
 from reprules._shim._types import TypeField, cast_inputs, checking, manual_axes
 
@@ -282,14 +282,15 @@ class TypedPallasCall:
         in_vary = tuple([varying(jax.typeof(a)) for a in args[first:]])
         decision = decide_call(reg, in_vary, manual, len(out_avals),
                                lambda: _rules.rule_context(reg, manual, len(in_vary), len(out_avals)))
+        widened: dict[int, Any] = {}
         if isinstance(reg.rule, infer.InferredRule):
-            self._check_annotations(params, out_avals, decision.outputs, unannotated)
+            widened = self._check_annotations(params, out_avals, decision.outputs, unannotated)
         # No transpose rule, so no cast is ever transposed: cast only where JAX types an
         # output like its input (aliasing). See the module docstring.
         if params.get("input_output_aliases"):
             args = (*args[:first], *cast_inputs(args[first:], in_vary, decision.inputs))
         out_avals = tuple(
-            self.field.retype(aval, vary) if i in unannotated else aval
+            self.field.retype(aval, vary) if i in unannotated else widened.get(i, aval)
             for i, (aval, vary) in enumerate(zip(out_avals, decision.outputs))
         )
         with _kernels.tracing(reg):
@@ -298,19 +299,16 @@ class TypedPallasCall:
         return out
 
     def _check_annotations(self, params: dict[str, Any], out_avals: Sequence[Any],
-                           derived: Sequence[frozenset[str]], unannotated: dict[int, Any]) -> None:
-        """Under inference, an out_shape annotated by hand must not claim an output
-        replicated over an axis the body shows it depends on: JAX would believe
-        the annotation, and the gradient (or out_specs) would silently be wrong."""
+                           derived: Sequence[frozenset[str]], unannotated: dict[int, Any]) -> dict[int, Any]:
+        """Under inference, an out_shape annotated by hand that claims an output
+        replicated over an axis the body shows it depends on is widened to the
+        union (see ``_union``): JAX alone would believe the annotation, and the
+        gradient (or out_specs) would silently be wrong."""
         aliased = {int(o): int(i) for i, o in params.get("input_output_aliases") or ()}
-        for i, (aval, needed) in enumerate(zip(out_avals, derived)):
-            missing = needed - self.field.varying(aval)
-            if i not in unannotated and missing:
-                name = _kernels.kernel_name_from_params(params)
-                raise _errors.RuleError(_errors.annotation_message(
-                    f"Pallas kernel {name!r}", i, missing, needed, manual_axes(), _jax.JAX_VERSION,
-                    aliased.get(i),
-                ))
+        kept = [i not in unannotated for i in range(len(out_avals))]
+        name = _kernels.kernel_name_from_params(params)
+        return _union.widen(self.field, f"Pallas kernel {name!r}", _kernels.site_text(params), out_avals,
+                            derived, kept, aliased)
 
     def _interpret_lowering(self, original: Callable[..., Any]) -> Callable[..., Any]:
         field = self.field

@@ -1,0 +1,158 @@
+"""The annotation union: a hand-written out_shape annotation that says an output
+is replicated over an axis the kernel body (analysed by inference) makes it
+depend on is widened to the union of annotation and body, with one
+``reprules.ReplicationWarning`` per kernel; ``reprules.strict()`` refuses it.
+
+The kernels mimic tokamax's ragged_dot VJP: the weight gradient's out_shape is
+annotated with the weight's own (replicated) type although it is a per-shard
+partial sum over the tokens' axis. JAX alone would believe it and skip the psum
+over 'data' (a silently wrong weight gradient); with the union, reprules'
+custom_vjp fix adds exactly that psum.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import NEW_SHARD_MAP, max_err, psum_axes, put, randn, shard_map
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+import reprules
+
+pytestmark = pytest.mark.skipif(not NEW_SHARD_MAP, reason="out_shape carries varying axes from JAX 0.6 (check_vma)")
+
+M, K, N = 32, 16, 8
+FIELD = "manual_axis_type" if hasattr(jax.ShapeDtypeStruct((1,), jnp.float32), "manual_axis_type") else "vma"
+
+
+def _annotated_like(shape, dtype, like):
+    """An out_shape annotated with ``like``'s own type, as tokamax annotates a cotangent."""
+    t = jax.typeof(like)
+    return jax.ShapeDtypeStruct(shape, dtype, **{FIELD: getattr(t, FIELD)})
+
+
+def matmul_kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...] @ w_ref[...]
+
+
+def wgrad_kernel(x_ref, g_ref, o_ref):
+    o_ref[...] = x_ref[...].T @ g_ref[...]
+
+
+@jax.custom_vjp
+def linear(x, w):
+    return pl.pallas_call(matmul_kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype),
+                          interpret=True)(x, w)
+
+
+def _fwd(x, w):
+    return linear(x, w), (x, w)
+
+
+def _bwd(res, g):
+    x, w = res
+    dw = pl.pallas_call(wgrad_kernel, out_shape=_annotated_like(w.shape, w.dtype, w), interpret=True)(x, g)
+    return g @ w.T, dw
+
+
+linear.defvjp(_fwd, _bwd)
+
+
+@pytest.fixture(autouse=True)
+def inferred():
+    """Rules derived from the bodies, as a pack's rules.inferred() gives them."""
+    from reprules._shim import _union
+
+    _union._warned.clear()  # one warning per kernel and process: each test starts afresh
+    with reprules.inference():
+        yield
+
+
+def _inputs(mesh, m=M):
+    x = put(randn(0, (m, K)), mesh, P("data", None))
+    w = put(randn(1, (K, N)), mesh, P())
+    t = randn(2, (m, N))
+    return x, w, t
+
+
+def _grad(mesh, t, check=True, cast=False):
+    def body(x, w):
+        if cast:  # the workaround of today: the weight made varying first, so the annotation is right
+            w = jax.lax.pcast(w, "data", to="varying")
+        return linear(x, w)
+
+    f = shard_map(body, mesh, (P("data", None), P()), P("data", None), check=check)
+    return jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1))
+
+
+def _expected(x, w, t):
+    xn, wn, tn = (np.asarray(a, np.float64) for a in (x, w, t))
+    return tn @ wn.T, xn.T @ tn
+
+
+def test_the_union_makes_the_weight_gradient_exact_with_one_psum_over_the_tokens(mesh):
+    x, w, t = _inputs(mesh)
+    grad = _grad(mesh, t)
+    with pytest.warns(reprules.ReplicationWarning) as caught:
+        psums = psum_axes(grad, x, w)
+        gx, gw = jax.jit(grad)(x, w)
+    ex, ew = _expected(x, w, t)
+    assert max_err(gx, ex) < 1e-4 and max_err(gw, ew) < 1e-4
+    assert psums == [("data",)]  # the weight gradient's psum: no defensive one over 'model'
+    message = str(caught[0].message)
+    assert "'wgrad_kernel'" in message and "replicated over {'data'}" in message
+    assert "silently wrong" in message and "test_annotation_union.py" in message  # where it was passed
+
+
+def test_the_union_agrees_with_jax_alone_unchecked(mesh):
+    x, w, t = _inputs(mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", reprules.ReplicationWarning)
+        on = jax.jit(_grad(mesh, t))(x, w)
+    off = jax.jit(_grad(mesh, t, check=False))(x, w)
+    assert max_err(on, off) < 1e-5
+
+
+def test_strict_keeps_the_refusal(mesh):
+    x, w, t = _inputs(mesh)
+    with reprules.strict(), pytest.raises(
+        reprules.RuleError, match=r"(?s)'wgrad_kernel' annotates output 0 as replicated over \{'data'\}.*pcast"
+    ):
+        jax.jit(_grad(mesh, t))(x, w)
+
+
+def test_one_warning_per_kernel(mesh):
+    with pytest.warns(reprules.ReplicationWarning) as caught:
+        for m in (M, 2 * M):  # two shapes: two traces of the same kernel
+            x, w, t = _inputs(mesh, m)
+            jax.jit(_grad(mesh, t))(x, w)
+    assert len([c for c in caught if issubclass(c.category, reprules.ReplicationWarning)]) == 1
+
+
+def test_an_annotation_that_is_right_gets_no_warning(mesh):
+    x, w, t = _inputs(mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", reprules.ReplicationWarning)
+        gx, gw = jax.jit(_grad(mesh, t, cast=True))(x, w)
+    ex, ew = _expected(x, w, t)
+    assert max_err(gx, ex) < 1e-4 and max_err(gw, ew) < 1e-4
+
+
+def test_an_aliased_output_is_still_refused(mesh):
+    """JAX types an aliased output like its input: widening it would need the input cast up."""
+    x = put(randn(0, (M, K)), mesh, P("data", None))
+    acc = put(jnp.zeros((K, K)), mesh, P())
+
+    def accumulate_kernel(x_ref, acc_ref, o_ref):
+        o_ref[...] = acc_ref[...] + x_ref[...].T @ x_ref[...]
+
+    def body(x, acc):
+        return pl.pallas_call(accumulate_kernel, out_shape=_annotated_like(acc.shape, acc.dtype, acc),
+                              input_output_aliases={1: 0}, interpret=True)(x, acc)
+
+    f = shard_map(body, mesh, (P("data", None), P()), P())
+    with pytest.raises(reprules.RuleError, match=r"(?s)is the buffer of its input 1"):
+        jax.jit(f)(x, acc)
