@@ -81,7 +81,8 @@ def _inputs(mesh, m=M):
 def _grad(mesh, t, check=True, cast=False):
     def body(x, w):
         if cast:  # the workaround of today: the weight made varying first, so the annotation is right
-            w = jax.lax.pcast(w, "data", to="varying")
+            cast_up = getattr(jax.lax, "pcast", None)  # 0.6 - 0.7: jax.lax.pvary
+            w = cast_up(w, "data", to="varying") if cast_up else jax.lax.pvary(w, "data")
         return linear(x, w)
 
     f = shard_map(body, mesh, (P("data", None), P()), P("data", None), check=check)
