@@ -200,3 +200,18 @@ BWD_STEPS = textwrap.dedent('''
     def only_x(check=True):  # w's gradient is not used: its all-reduce is dead code
         return _step(check, 0)
 ''')
+
+
+def pack_state_on_import(module: str) -> list[str]:
+    """In a fresh interpreter: whether nothing is registered after ``import reprules``, the
+    pack's (name, state) once ``module`` is imported, and ``kernels_in(module)``'s rule and source."""
+    import subprocess
+    import sys
+
+    code = ("import reprules\n"
+            "print(reprules.registered() == {})\n"
+            f"import {module}\n"
+            f"print([(p.name, p.state) for p in reprules.packs() if p.module == {module!r}])\n"
+            f"reg = reprules.registered()['kernels_in:{module}']\n"
+            "print(reg.rule, reg.source)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()

@@ -26,14 +26,12 @@ correct gradient and exactly the one psum it needs.
 """
 
 import contextlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import max_err, psum_axes, put, randn, shard_map
+from helpers import max_err, pack_state_on_import, psum_axes, put, randn, shard_map
 from jax.sharding import PartitionSpec as P
 
 import reprules
@@ -174,15 +172,7 @@ def test_router_topk_forward_equals_lax_top_k(mesh, cpu_as_tpu):
 
 
 def test_the_pack_loads_on_import_tokamax():
-    code = ("import reprules\n"
-            "print(reprules.registered() == {})\n"
-            "import tokamax\n"
-            "status = [p for p in reprules.packs() if p.module == 'tokamax']\n"
-            "print([(p.name, p.state) for p in status])\n"
-            "reg = reprules.registered()['kernels_in:tokamax']\n"
-            "print(reg.rule, reg.source)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == [
+    assert pack_state_on_import("tokamax") == [
         "True",
         "[('reprules._builtin_packs.tokamax:tokamax', 'loaded')]",
         "rules.inferred() pack reprules._builtin_packs.tokamax:tokamax",

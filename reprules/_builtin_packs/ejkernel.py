@@ -29,17 +29,13 @@ from types import ModuleType
 
 import reprules
 from reprules import rules
+from reprules._errors import fmt_axes
 
 # (module under ejkernel, kernel, index of the psummed log-sum-exp input, op) of each refused bwd kernel.
 REFUSED: tuple[tuple[str, str, int, str], ...] = (
     ("kernels._pallas.tpu.fused_cross_entropy._pallas_impl_bwd", "_ce_bwd_kernel", 1, "fused_cross_entropy"),
     ("kernels._pallas.tpu.fused_kl_divergence._pallas_impl_bwd", "_kl_bwd_kernel", 2, "fused_kl_divergence"),
 )
-
-
-def fmt_axes(axes: object) -> str:
-    names = sorted(axes)  # type: ignore[call-overload]
-    return "{" + ", ".join(repr(n) for n in names) + "}" if names else "{} (replicated)"
 
 
 @dataclasses.dataclass(frozen=True)
