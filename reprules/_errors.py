@@ -64,7 +64,7 @@ def missing_rule_message(
 ) -> str:
     """The message of :class:`MissingRuleError`; ``jax_error`` is the text of the
     error JAX alone raises in the same situation, quoted at the end;
-    ``inference`` why ``reprules.inference()`` could not derive a rule; ``site``
+    ``inference`` why inference could not derive a rule (empty: inference was off); ``site``
     where the kernel is (``defined at file:line``)."""
     name = kernel_name.split(" ")[0]
     axes = tuple(mesh_axes)
@@ -87,7 +87,10 @@ def missing_rule_message(
                 "device index."
             )
         else:
-            fix += "\nOr derive rules for kernels that only compute locally: `with reprules.inference():`."
+            # Inference refused nothing here: it was off (it is on by default).
+            fix += ("\nOr let reprules derive the rule from the kernel body, as it does by default for "
+                    "kernels that only compute locally: inference is off here (`REPRULES_INFER=0` or "
+                    "`reprules.inference(False)`).")
     elif kind == "FFI target":
         fix = (
             "Fix: register the target once, e.g.\n"

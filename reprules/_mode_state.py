@@ -13,11 +13,15 @@ INFER_ENV = "REPRULES_INFER"
 DORMANT_ENV = "REPRULES_DORMANT"  # patch nothing until a rule is registered
 
 lock = threading.Lock()
-_depth = {"verify": 0, "strict": 0, "infer": 0}
+_depth = {"verify": 0, "strict": 0, "infer": 0, "no_infer": 0}
 
 
 def _env_on(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_off(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"0", "false", "no", "off"}
 
 
 def enter(mode: str) -> None:
@@ -39,13 +43,22 @@ def strict_on() -> bool:
 
 
 def inferring() -> bool:
-    return _depth["infer"] > 0 or _env_on(INFER_ENV)
+    """Inference for every rule-less kernel: ``reprules.inference()`` or ``REPRULES_INFER=1``
+    (``inference(False)`` wins over both)."""
+    return _depth["no_infer"] == 0 and (_depth["infer"] > 0 or _env_on(INFER_ENV))
+
+
+def inferring_by_default() -> bool:
+    """Inference for a rule-less kernel that JAX itself would refuse under checking
+    (or, for a 0.8 - 0.9 ``pl.kernel``, type replicated): on unless ``REPRULES_INFER=0``
+    or ``reprules.inference(False)``."""
+    return _depth["no_infer"] == 0 and not _env_off(INFER_ENV)
 
 
 def dormant() -> bool:
     return _env_on(DORMANT_ENV)
 
 
-def modes() -> tuple[bool, bool, bool]:
-    """(verifying, strict, inferring), as a trace cache key."""
-    return verifying(), strict_on(), inferring()
+def modes() -> tuple[bool, bool, bool, bool]:
+    """(verifying, strict, inferring, inferring by default), as a trace cache key."""
+    return verifying(), strict_on(), inferring(), inferring_by_default()

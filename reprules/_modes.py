@@ -11,10 +11,11 @@ import contextlib
 from collections.abc import Iterator
 
 from reprules._mode_state import (
-    DORMANT_ENV, INFER_ENV, STRICT_ENV, VERIFY_ENV, dormant, enter, inferring, leave, strict_on, verifying,
+    DORMANT_ENV, INFER_ENV, STRICT_ENV, VERIFY_ENV, dormant, enter, inferring, inferring_by_default, leave,
+    strict_on, verifying,
 )
 
-__all__ = ["DORMANT_ENV", "INFER_ENV", "STRICT_ENV", "VERIFY_ENV", "dormant", "inference", "inferring", "strict",
+__all__ = ["DORMANT_ENV", "INFER_ENV", "STRICT_ENV", "VERIFY_ENV", "dormant", "inference", "inferring", "inferring_by_default", "strict",
            "strict_on", "verify", "verifying"]
 
 
@@ -86,15 +87,25 @@ def strict() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def inference() -> Iterator[None]:
+def inference(enabled: bool = True) -> Iterator[None]:
     """Derives a rule for every Pallas kernel that has none, from its body.
 
-    Inside this context (or for a whole run with ``REPRULES_INFER=1``), a
+    **By default** (no context needed), reprules already does this for a kernel
+    that JAX itself would refuse under checking: a ``pallas_call`` or ``pl.kernel``
+    whose ``out_shape`` does not say how its outputs vary (and, on JAX 0.4.28 - 0.5,
+    every ``pallas_call``, which ``check_rep`` refuses; on 0.8 - 0.9, a ``pl.kernel``
+    that JAX would type replicated). A program JAX accepts is left as it is.
+
+    Inside ``inference()`` (or for a whole run with ``REPRULES_INFER=1``), every
     ``pallas_call`` whose kernel has no registered rule gets one derived from its
-    kernel jaxpr, on every JAX regime: each output varies over the axes of the
-    inputs it depends on (through values, refs, aliasing, scalar prefetch and
-    control flow), and inputs are cast up only as far as those outputs vary. A
-    registered rule always wins.
+    kernel jaxpr, on every JAX regime, its hand annotations checked against it
+    too: each output varies over the axes of the inputs it depends on (through
+    values, refs, aliasing, scalar prefetch and control flow), and inputs are cast
+    up only as far as those outputs vary. A registered rule always wins.
+
+    ``inference(False)`` (or ``REPRULES_INFER=0`` for a whole run) turns both
+    off, and wins over ``inference()``: a rule-less kernel then gets the
+    :class:`reprules.MissingRuleError` that teaches what to register.
 
     The derivation is sound or refuses: it succeeds only when every equation
     of the body (through ``cond``, loops, ``run_scoped`` and calls) is known to
@@ -107,23 +118,28 @@ def inference() -> Iterator[None]:
     Example:
         ```python
         with reprules.inference():
-            grads = jax.jit(step)(params, batch)   # no rules registered by hand
+            grads = jax.jit(step)(params, batch)   # hand annotations checked too
+
+        with reprules.inference(False):
+            grads = jax.jit(step)(params, batch)   # MissingRuleError for a rule-less kernel
         ```
     """
     from reprules import _shim  # lazy: imports JAX
 
+    mode = "infer" if enabled else "no_infer"
     with _shim.lock:
-        enter("infer")
+        enter(mode)
         try:
-            _shim.activate()
+            if enabled:
+                _shim.activate()
         except BaseException:
-            leave("infer")
+            leave(mode)
             raise
     _retrace()
     try:
         yield
     finally:
         with _shim.lock:
-            leave("infer")
+            leave(mode)
             _shim.release()
         _retrace()

@@ -29,6 +29,16 @@ def _clean_registry():
 
 
 @pytest.fixture
+def no_inference():
+    """reprules as with ``REPRULES_INFER=0``: no rule derived from a kernel body, even
+    for a kernel JAX would refuse (what every test about the teaching MissingRuleError needs)."""
+    import reprules
+
+    with reprules.inference(False):
+        yield
+
+
+@pytest.fixture
 def dormant():
     """reprules as with ``REPRULES_DORMANT=1``: JAX patched only while rules (or
     inference) need it. Importing Pallas arms reprules in every test otherwise."""

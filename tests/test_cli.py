@@ -290,7 +290,7 @@ def test_html_path_that_cannot_be_written_is_a_usage_error(target, capsys, where
                         rf"{problem}[^\n]*\.\nWhy: [^\n]*\nFix: [^\n]*\n", err), err
 
 
-def test_user_target_whose_checked_step_fails(target, capsys):
+def test_user_target_whose_checked_step_fails(target, capsys, no_inference):
     assert _cli.main(["audit", f"{target}:unruled", "--quiet"]) == 1
     out, err = capsys.readouterr()
     assert "Traceback" not in err

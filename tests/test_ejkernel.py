@@ -212,7 +212,7 @@ def test_the_pack_loads_on_import_ejkernel():
     ]
 
 
-def test_without_the_pack_jax_refuses_the_kernel(mesh, interpret):
+def test_without_the_pack_jax_refuses_the_kernel(mesh, interpret, no_inference):
     for reg in list(reprules.registered().values()):
         reprules.unregister(reg.kernel())
     sizes = jnp.array([48, 80], jnp.int32)

@@ -378,9 +378,13 @@ def test_after_inference_an_armed_reprules_names_the_missing_rule(mesh):
     f = shard_map(fresh_copy, mesh, P("data", None), P("data", None))
     with reprules.inference():
         jax.jit(f)(x)
-    with pytest.raises(reprules.MissingRuleError, match=r"has no replication rule") as info:
+    assert max_err(jax.jit(f)(x), x) == 0.0  # by default: JAX would refuse it, so inferred
+    with reprules.inference(False), pytest.raises(
+            reprules.MissingRuleError, match=r"(?s)has no replication rule.*inference is off here") as info:
         jax.jit(f)(x)
     assert isinstance(info.value, (NotImplementedError, ValueError))  # what JAX alone raises
+    with reprules.inference(), reprules.inference(False), pytest.raises(reprules.MissingRuleError):
+        jax.jit(f)(x)  # inference(False) wins
 
 
 def test_each_kernel_body_is_analysed_once(mesh, monkeypatch):

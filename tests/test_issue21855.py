@@ -57,7 +57,7 @@ def test_forward_output_varies_over_data_only(setup):
         jax.jit(shard_map(kernel_copy, mesh, P("data", None), P(None, None)))(x)
 
 
-def test_without_rule_checking_fails_with_a_teaching_error(setup):
+def test_without_rule_checking_fails_with_a_teaching_error(setup, no_inference):
     mesh, x, w = setup
 
     def other_kernel(x_ref, o_ref):
@@ -73,7 +73,7 @@ def test_without_rule_checking_fails_with_a_teaching_error(setup):
     assert "@reprules.replication_rule()" in message
 
 
-def test_missing_rule_error_is_the_same_at_every_call(setup):
+def test_missing_rule_error_is_the_same_at_every_call(setup, no_inference):
     """The out_shape JAX refused at a kernel's first call is not asked about again
     (reprules keeps JAX's refusal): later calls raise the same error, and a call of
     the same out_shape with a rule in between changes nothing for one without."""
@@ -98,7 +98,25 @@ def test_missing_rule_error_is_the_same_at_every_call(setup):
     assert str(error()) == str(first)
 
 
-def test_without_any_registration_reprules_names_the_missing_rule(setup):
+def test_without_any_registration_the_rule_is_inferred_by_default(setup):
+    """No decorator and no ``inference()``: JAX would refuse the rule-less kernel under
+    checking, so reprules derives its rule from the body. No defensive all-reduce at
+    any level, gradients exact, and the report says the rule was inferred."""
+    from reprules import testing
+
+    mesh, x, w = setup
+    assert not reprules.registered()
+    grad_on = jax.grad(make_loss(mesh, w, check=True))
+    assert count_all_reduce(grad_on, x) == (0, 0, 0)
+    reference = jax.grad(lambda x: (x * w).sum())(jnp.asarray(x))  # unsharded
+    assert max_err(jax.jit(grad_on)(x), reference) < 1e-6
+    assert max_err(jax.jit(grad_on)(x), jax.jit(jax.grad(make_loss(mesh, w, check=False)))(x)) < 1e-6
+    (kernel,) = testing.collectives(grad_on, x).kernels
+    assert kernel.name == "copy_kernel" and kernel.has_rule and kernel.rule.startswith("inferred("), kernel
+    assert not reprules.registered()  # derived, not registered
+
+
+def test_without_any_registration_reprules_names_the_missing_rule(setup, no_inference):
     """No first-use trap: with nothing registered, the kernel JAX refuses gets
     reprules' error (the decorator to add), JAX's own text and exception type kept."""
     mesh, x, w = setup

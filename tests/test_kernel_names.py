@@ -66,7 +66,7 @@ def test_a_rule_on_the_object_wins_over_a_name(setup):
     assert max_err(f(x), 2.0 * np.asarray(x)) < 1e-6
 
 
-def test_unregistering_a_name_removes_its_rule(setup):
+def test_unregistering_a_name_removes_its_rule(setup, no_inference):
     mesh, x, _ = setup
     target = reprules.kernel_named(NAME)
     reprules.replication_rule()(target)
@@ -91,7 +91,7 @@ def test_a_name_no_kernel_matched_is_reported():
     assert [r.where for r in _registry.unmatched_names()] == ["kernel_named:nowhere:typo.<locals>.kernel"]
 
 
-def test_a_missing_rule_fix_names_a_python_function(setup):
+def test_a_missing_rule_fix_names_a_python_function(setup, no_inference):
     """A ``pallas_call``'s ``name=`` need not be a Python name; the fix shows valid code."""
     mesh, x, _ = setup
     reprules.replication_rule()(module_kernel)  # reprules active; copy has no rule

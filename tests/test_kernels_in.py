@@ -188,7 +188,7 @@ def test_a_package_kernel_that_reads_its_device_index_is_refused(inferred, mesh)
     assert "rules.varying('model')" in message  # the fix
 
 
-def test_kernels_outside_the_package_are_left_as_they_were(inferred, mesh):
+def test_kernels_outside_the_package_are_left_as_they_were(inferred, mesh, no_inference):
     """The same closure kernel, defined in this file: no derived rule. It fails
     exactly as with a rule registered for another kernel instead of the package
     (reprules active, nothing for this kernel), and runs only under inference()."""
@@ -203,8 +203,13 @@ def test_kernels_outside_the_package_are_left_as_they_were(inferred, mesh):
     assert type(with_package.value) is type(without.value)
     assert str(with_package.value) == str(without.value)
     assert "inference" not in str(with_package.value).split("Fix:")[0]
-    with reprules.inference():
-        assert max_err(jax.jit(f)(x), x) == 0.0
+    reprules.unregister(inferred.double_kernel)
+
+
+def test_kernels_outside_the_package_run_by_default(inferred, mesh):
+    """Outside inference(False), the same kernel gets its rule by default (JAX refuses it)."""
+    x = put(randn(0, (8, 16)), mesh, P("data", None))
+    assert max_err(jax.jit(shard_map(outside_copy, mesh, P("data", None), P("data", None)))(x), x) == 0.0
 
 
 def test_a_rule_on_the_kernel_object_wins(inferred, mesh):
@@ -216,7 +221,7 @@ def test_a_rule_on_the_kernel_object_wins(inferred, mesh):
         jax.jit(f)(x)
 
 
-def test_listed_and_removed_like_any_rule(inferred, mesh):
+def test_listed_and_removed_like_any_rule(inferred, mesh, no_inference):
     reg = reprules.registered()["kernels_in:kpkg"]
     assert reg.rule == rules.inferred() and reg.name == "kpkg.*"
     assert reprules.unregister(reprules.kernels_in("kpkg")) is True

@@ -128,7 +128,7 @@ def test_call_built_while_another_kernels_rule_is_active(reprules, other_rule):
 
 
 @pytest.mark.parametrize("reprules_before", ["dormant", "armed", "active for another kernel"])
-def test_step_jitted_and_run_before_registration(reprules, reprules_before, request):
+def test_step_jitted_and_run_before_registration(reprules, reprules_before, request, no_inference):
     if reprules_before == "dormant":
         request.getfixturevalue("dormant")
     kernel = fresh_kernel()
@@ -146,7 +146,7 @@ def test_step_jitted_and_run_before_registration(reprules, reprules_before, requ
 
 
 @pytest.mark.parametrize("mode", ["dormant", "armed"])
-def test_unregister_then_register_again(reprules, mode, request):
+def test_unregister_then_register_again(reprules, mode, request, no_inference):
     if mode == "dormant":
         request.getfixturevalue("dormant")
     kernel = fresh_kernel()

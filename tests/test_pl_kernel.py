@@ -164,6 +164,21 @@ def test_21855_step_no_psum_and_exact_gradient(setup):
 
 
 @needs_kernel
+def test_21855_step_without_a_rule_is_inferred_by_default(setup):
+    """No rule and no ``inference()``: JAX would refuse the unannotated out_shape (0.10+)
+    or type the output replicated (0.8 - 0.9), so the rule is derived from the body."""
+    mesh, x, w = setup
+    assert not reprules.registered()
+    grad = jax.grad(scale_loss(mesh, w))
+    assert psum_axes(grad, x) == []
+    assert count_all_reduce(grad, x) == (0, 0, 0)
+    reference = jax.grad(lambda x: (2 * x * w).sum())(jnp.asarray(x))  # unsharded
+    assert max_err(jax.jit(grad)(x), reference) < 1e-6
+    with pytest.raises(ValueError, match="out_specs"):  # typed varying over `data`, as derived
+        jax.jit(shard_map(scale, mesh, P("data", None), P()))(x)
+
+
+@needs_kernel
 def test_check_off_keeps_jaxs_defensive_psum(setup):
     """The contrast: with checking off, the backward pass psums over `model` (x is replicated over it)."""
     mesh, x, w = setup
@@ -224,7 +239,7 @@ def test_invariant_rule_allows_replicated_out_specs(setup):
 
 
 @needs_kernel
-def test_rule_less_kernel_returned_replicated_is_refused_by_strict_mode(setup):
+def test_rule_less_kernel_returned_replicated_is_refused_by_strict_mode(setup, no_inference):
     mesh, x, _ = setup
 
     def other(x_ref, o_ref):
@@ -271,7 +286,7 @@ def test_collectives_report_names_the_body(setup):
 
 
 @needs_kernel
-def test_rule_less_kernel_is_unchanged_by_reprules(setup):
+def test_rule_less_kernel_is_unchanged_by_reprules(setup, no_inference):
     """Same jaxpr, or the same JAX error, with and without reprules active elsewhere."""
     mesh, x, _ = setup
 

@@ -183,21 +183,24 @@ def test_closure_kernel():
 ''' % str(pathlib.Path(__file__).parent)
 
 
-@pytest.mark.parametrize("how", ["option", "ini", "off"])
-def test_infer_option_runs_the_session_under_inference(pytester, how):
+@pytest.mark.parametrize("how", ["option", "ini", "default", "off"])
+def test_infer_option_runs_the_session_under_inference(pytester, monkeypatch, how):
     pytester.makepyfile(test_infer=INFER_TEST)
     args = [*PLUGIN, "--reprules-cpu-devices", "8", "-p", "no:cacheprovider"]
     if how == "option":
         args.append("--reprules-infer")
     elif how == "ini":
         pytester.makeini("[pytest]\nreprules_infer = true\n")
+    elif how == "off":  # inference off, even where JAX would refuse the kernel (on by default)
+        monkeypatch.setenv("REPRULES_INFER", "0")
     result = pytester.runpytest_subprocess(*args)
     if how == "off":
         result.assert_outcomes(failed=1)
         result.stdout.fnmatch_lines([
             "*MissingRuleError: The Pallas kernel 'kernel' (* at *test_infer.py:*) has no replication rule*",
-            "*with reprules.inference()*",
+            "*inference is off here (`REPRULES_INFER=0` or `reprules.inference(False)`)*",
         ])
     else:
         result.assert_outcomes(passed=1)
-        result.stdout.fnmatch_lines(["reprules *; JAX *; inference on; 8 cpu devices"])
+        on = "inference where JAX would refuse" if how == "default" else "inference on"
+        result.stdout.fnmatch_lines([f"reprules *; JAX *; {on}; 8 cpu devices"])

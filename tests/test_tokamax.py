@@ -179,7 +179,7 @@ def test_the_pack_loads_on_import_tokamax():
     ]
 
 
-def test_without_the_pack_jax_refuses_the_kernel(mesh, cpu_as_tpu):
+def test_without_the_pack_jax_refuses_the_kernel(mesh, cpu_as_tpu, no_inference):
     reprules.unregister(reprules.kernels_in("tokamax"))
     lhs, rhs, t = _ragged_inputs(mesh)
     f = shard_map(_ragged_dot(cast_weight=False), mesh, (P("data", None), P()), P("data", None))

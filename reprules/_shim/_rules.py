@@ -88,12 +88,18 @@ def in_inferred_package(fn: Any) -> bool:
 
 def infers_call(params: dict[str, Any]) -> bool:
     """:func:`infers_function` for the kernel of a ``pallas_call_p`` equation: the
-    function JAX traced it from when reprules saw that, else its recorded source file."""
+    function JAX traced it from when reprules saw that, else its recorded source file;
+    or it was given a derived rule by default (:func:`infer_by_default`), or it is bound
+    inside one that was (its JVP, vmap)."""
     if _mode_state.inferring():
         return True
-    if not _registry.has_packages() or "jaxpr" not in params:
+    if "jaxpr" not in params:
         return False
     kernel_ref, _ = _kernels.kernel_of(params["jaxpr"])
+    if kernel_ref is infer.no_kernel:
+        return True
+    if not _registry.has_packages():
+        return False
     kernel = kernel_ref() if kernel_ref is not None else None
     if kernel is not None:
         return in_inferred_package(kernel)
@@ -110,10 +116,28 @@ def inferred_registration(params: dict[str, Any]) -> Registration | None:
     return found if isinstance(found, Registration) else None
 
 
+def infer_by_default(params: dict[str, Any]) -> Registration | None:
+    """The rule derived for a rule-less ``pallas_call_p`` equation that JAX would refuse
+    under checking, unless inference by default is off (``REPRULES_INFER=0``,
+    ``reprules.inference(False)``) or the body is not provably local; else None.
+
+    Its kernel jaxpr is remembered as derived, so that everything that later meets
+    the equation by its params alone (the interpret-mode lowering, the custom_vjp
+    fix, reports) sees the same rule."""
+    if "jaxpr" not in params or not _mode_state.inferring_by_default():
+        return None
+    found = infer.registration(params)
+    if not isinstance(found, Registration):
+        return None
+    if params["jaxpr"] is not None:
+        _kernels.remember(params["jaxpr"], infer.no_kernel, direct=True)
+    return found
+
+
 def inference_note(params: dict[str, Any], mesh_axes: Sequence[str]) -> str:
     """Why inference refused a ``pallas_call_p`` equation, for a MissingRuleError;
     ``""`` if inference is off for it or derived a rule."""
-    if "jaxpr" not in params or not infers_call(params):
+    if "jaxpr" not in params or not (infers_call(params) or _mode_state.inferring_by_default()):
         return ""
     found = infer.registration(params)
     if isinstance(found, Registration):
@@ -275,7 +299,7 @@ def kernel_registration_of(params: dict[str, Any]) -> Registration | None:
         reg = lookup(body)
         if reg is not None:
             return reg
-    if _mode_state.inferring() or _registry.has_packages():
+    if _mode_state.inferring() or _mode_state.inferring_by_default() or _registry.has_packages():
         return _bodies.inferred_for(params)
     return None
 

@@ -242,11 +242,16 @@ class _Hooks:
         out_leaves = jax.tree_util.tree_leaves(local.get("out_shape", ()))
         in_vary = self._in_varying(operands)
         if reg is None:
-            if not _rules.infers_function(local.get("body")):
+            # JAX alone types every output replicated: by default, the derived rule
+            # instead where the body is provably local (else JAX's types stand).
+            explicit = _rules.infers_function(local.get("body"))
+            if not explicit and not _mode_state.inferring_by_default():
                 return None
             found = _kernel_inference.for_kernel_call(local, len(operands), len(out_leaves))
             if not isinstance(found, Registration):
-                raise self._refusal(local, found)
+                if explicit:
+                    raise self._refusal(local, found)
+                return None
             reg = found
         decision = decide(reg, self._context(reg, len(in_vary), len(out_leaves)), in_vary)
         _kernels.note_registered_call()
@@ -328,8 +333,10 @@ class _Hooks:
             fns = [fn for _, fn in (args[0] if args else kwargs.get("meshes_and_fns", ()))]
             out_types = args[1] if len(args) > 1 else kwargs.get("out_types", ())
             checked = checking()
-            # Under inference any body may get a rule; one refused raises at the call.
-            let = checked and any(lookup(fn) is not None or _rules.infers_function(fn) for fn in fns)
+            # Under inference (by default too) any body may get a rule; one refused
+            # raises at the call.
+            let = checked and (_mode_state.inferring_by_default()
+                               or any(lookup(fn) is not None or _rules.infers_function(fn) for fn in fns))
             token = _letting_through.set(let)
             try:
                 wrapper = original(*args, **kwargs)
@@ -408,7 +415,10 @@ class _Hooks:
             made = _outputs_of(local.get("flat_out_avals"), len(out_avals))
             num_user = len(local.get("flat_args", args))
             if not registered:
-                found = _kernel_inference.for_mpmd_call(params, args) if any(map(_rules.infers_function, fns)) else None
+                # Explicit inference, or by default where JAX would have refused an out_shape.
+                infers = any(map(_rules.infers_function, fns)) or (
+                    any(made.let_through) and _mode_state.inferring_by_default())
+                found = _kernel_inference.for_mpmd_call(params, args) if infers else None
                 if not isinstance(found, Registration):
                     if any(made.let_through):
                         name = _rules.kernel_name(params)

@@ -160,7 +160,7 @@ def registration(params: dict[str, Any]) -> Registration | Refusal:
     else:
         name = _kernels.kernel_name_from_params(params)
         result = Registration(
-            rule=derived, name=name, where=f"{name} (inferred)", kernel_ref=_no_kernel,
+            rule=derived, name=name, where=f"{name} (inferred)", kernel_ref=no_kernel,
             source="inferred from the kernel body",
         )
     with _lock:
@@ -171,7 +171,9 @@ def registration(params: dict[str, Any]) -> Registration | Refusal:
     return result
 
 
-def _no_kernel() -> None:
+def no_kernel() -> None:
+    """The kernel of a derived registration: none. Kernel jaxprs bound under it (a
+    derived kernel's JVP, vmap) are known by it as derived too (``_rules.infers_call``)."""
     return None
 
 
@@ -244,7 +246,7 @@ def kernel_registration(jaxprs: Sequence[Any], key: Any, name: str,
             pass
     derived = derive()
     result: Registration | Refusal = derived if isinstance(derived, Refusal) else Registration(
-        rule=derived, name=name, where=f"{name} (inferred)", kernel_ref=_no_kernel,
+        rule=derived, name=name, where=f"{name} (inferred)", kernel_ref=no_kernel,
         source="inferred from the kernel body",
     )
     with _lock:

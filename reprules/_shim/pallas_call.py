@@ -262,7 +262,12 @@ class TypedPallasCall:
         unannotated = _unannotated.take(params.get("out_avals", ()))
         if reg is None:
             refusal = next((err for err in unannotated.values() if err is not None), None)
-            if refusal is not None:
+            if refusal is None:
+                return bind(*args, **params)
+            # JAX would refuse this call: the rule derived from its body, by default.
+            reg = _rules.infer_by_default(params)
+            direct = True
+            if reg is None:
                 raise _errors.MissingRuleError(
                     _errors.missing_rule_message(
                         _kernels.kernel_name_from_params(params), manual_axes(), _jax.JAX_VERSION,
@@ -270,7 +275,6 @@ class TypedPallasCall:
                         site=_kernels.site_text(params),
                     )
                 ) from refusal
-            return bind(*args, **params)
         manual = manual_axes() if direct and checking() else ()
         if not manual:
             # Outside a checked shard_map, or a JVP/vmap of a call typed already.

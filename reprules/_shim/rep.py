@@ -54,6 +54,8 @@ def attach(op: Opaque, patches: Patches) -> None:
         # over those); the rule sees only the manual axes.
         all_axes = frozenset(mesh.axis_names)
         reg = op.lookup(params)
+        if reg is None and op.prim is _jax.pallas_call_p():
+            reg = _rules.infer_by_default(params)  # JAX refuses every rule-less pallas_call
         if reg is None:
             return None
         first, num_out = op.layout(params, len(in_rep))
