@@ -3,7 +3,9 @@
 A Pallas copy kernel under ``custom_vjp`` inside ``shard_map`` on a (4, 2) mesh
 ``("data", "model")``, input sharded over ``data``. With checking off, the
 backward pass all-reduces over ``model`` although ``x`` is replicated over it.
-One decorator on the kernel lets checking stay on, and the all-reduce goes.
+With checking on, reprules derives the kernel's rule from its body (inference,
+on by default where JAX would refuse the kernel), and the all-reduce goes; one
+decorator on the kernel declares the rule instead.
 
 Run (8 fake CPU devices are set up by the script itself):
 
@@ -61,15 +63,16 @@ def main():
     support = reprules.jax_support()
     print(f"JAX {support['jax']} ({support['regime']} regime: {support['mechanism']})")
     print("mesh (4, 2) ('data', 'model'); x: P('data', None); loss: sum(copy(x) * w)\n")
-    print(f"{'':28}{'psum (jaxpr)':>14}{'all_reduce (StableHLO)':>24}{'all-reduce (compiled)':>23}{'max |grad - ref|':>18}")
-    for label, check in (("checking off", False), ("reprules, checking on", True)):
-        if check:
-            reprules.replication_rule()(copy_kernel)  # the whole fix
+    print(f"{'':32}{'psum (jaxpr)':>10}{'all_reduce (StableHLO)':>24}{'all-reduce (compiled)':>23}{'max |grad - ref|':>18}")
+    rows = (("checking off", False), ("reprules inferred, checking on", True), ("reprules, checking on", True))
+    for label, check in rows:
+        if label == "reprules, checking on":
+            reprules.replication_rule()(copy_kernel)  # the rule declared: the whole fix
         sharded = testing.shard_map(kernel_copy, mesh, P("data", None), P("data", None), check=check)
         grad_fn = jax.grad(lambda x: (sharded(x) * weights).sum())
         counts = all_reduces(grad_fn, x)
         error = float(np.max(np.abs(np.asarray(jax.jit(grad_fn)(x)) - reference)))
-        print(f"{label:28}{counts[0]:>14}{counts[1]:>24}{counts[2]:>23}{error:>18.1e}")
+        print(f"{label:32}{counts[0]:>10}{counts[1]:>24}{counts[2]:>23}{error:>18.1e}")
 
 
 if __name__ == "__main__":

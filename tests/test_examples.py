@@ -90,8 +90,9 @@ def test_example_runs(script):
 
 
 def check_01(out):
-    r = rows(out, ["checking off", "reprules, checking on"])
+    r = rows(out, ["checking off", "reprules inferred, checking on", "reprules, checking on"])
     assert r["checking off"][:3] == ["1", "1", "1"]
+    assert r["reprules inferred, checking on"] == ["0", "0", "0", "0.0e+00"]
     assert r["reprules, checking on"] == ["0", "0", "0", "0.0e+00"]
 
 
