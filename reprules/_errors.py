@@ -112,6 +112,17 @@ def missing_rule_message(
     )
 
 
+def _cast_up(value: str, axes: tuple[str, ...], jax_version: str) -> str:
+    """How to cast ``value`` up to vary over ``axes`` on this JAX: ``jax.lax.pcast`` from
+    0.8 (``pvary`` deprecated from 0.9), ``jax.lax.pvary`` on 0.6 - 0.7, which have no pcast."""
+    try:
+        old = tuple(int(p) for p in jax_version.split(".")[:2]) < (0, 8)
+    except ValueError:
+        old = False
+    shown = repr(axes) if axes else "axes"
+    return f"jax.lax.pvary({value}, {shown})" if old else f"jax.lax.pcast({value}, {shown}, to='varying')"
+
+
 def annotation_message(
     kernel: str, index: int, missing: Iterable[str], needed: Iterable[str],
     mesh_axes: Iterable[str], jax_version: str, aliased_input: int | None = None,
@@ -125,6 +136,7 @@ def annotation_message(
     where = f"(mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version})"
     why = ("Why: JAX believes that type, so per-device values would be treated as replicated: "
            "out_specs that drop the axis pass, and a gradient misses its psum.\n")
+    cast = _cast_up("w", over, jax_version)
     if aliased_input is None:
         return (
             f"The out_shape of {kernel} annotates output {index} as replicated over {fmt_axes(over)}, "
@@ -132,7 +144,7 @@ def annotation_message(
             f"over {fmt_axes(over)} {where}.\n{why}"
             f"Fix: annotate the output as varying over {fmt_axes(needed)} (or leave it unannotated "
             "and let inference type it); if the annotation comes from a library, cast the input it "
-            f"derives its type from up first, e.g. jax.lax.pcast(w, {over!r}, to='varying')."
+            f"derives its type from up first, e.g. {cast}."
         )
     return (
         f"Output {index} of {kernel} is the buffer of its input {aliased_input} (aliased: "
@@ -141,7 +153,7 @@ def annotation_message(
         f"reprules.inference()) writes into it values that vary over {fmt_axes(over)} {where}.\n"
         f"{why}"
         f"Fix: cast the array behind input {aliased_input} up before the kernel (before "
-        f"jax.new_ref, for a ref), e.g. jax.lax.pcast(w, {over!r}, to='varying'); the output is "
+        f"jax.new_ref, for a ref), e.g. {cast}; the output is "
         f"then typed varying over {fmt_axes(needed)}."
     )
 
@@ -164,8 +176,9 @@ def annotation_union_message(kernel: str, index: int, missing: Iterable[str], ty
         f"(mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version}). reprules typed the output varying over "
         f"{fmt_axes(typed)}, the union of the annotation and the body; a gradient that needs it gets its "
         f"psum over {over}. Under JAX alone this gradient would be silently wrong. Fix the annotation "
-        "at its source, or cast the input it derives its type from up first (jax.lax.pcast(..., "
-        "to='varying')), to silence this; reprules.strict() refuses such an annotation instead."
+        f"at its source, or cast the input it derives its type from up first "
+        f"({_cast_up('...', (), jax_version)}), to silence this; reprules.strict() refuses such an "
+        "annotation instead."
     )
 
 

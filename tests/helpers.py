@@ -162,6 +162,10 @@ VARYING_OVER_DATA = r"\{(V:)?data\}"
 # A `reprules audit` target (module text): a Pallas kernel in a custom_vjp whose bwd's cotangent for
 # the replicated w varies over `data` (reprules psums it, JAX <= 0.5 does); `only_x` leaves w's
 # gradient unused, so that all-reduce is dead code.
+# What reprules' errors tell a user to cast up with: jax.lax.pcast from JAX 0.8, pvary before.
+CAST_UP = r"jax\.lax\.pcast\(" if hasattr(jax.lax, "pcast") else r"jax\.lax\.pvary\("
+
+
 BWD_STEPS = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np
     from jax.experimental import pallas as pl

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import count_all_reduce, max_err, psum_axes, put, randn, shard_map
+from helpers import CAST_UP, count_all_reduce, max_err, psum_axes, put, randn, shard_map
 from reprules import rules
 from test_pl_kernel import _tpu_interpret  # noqa: F401 - autouse fixture: pl.kernel runs in TPU interpret mode
 from test_pl_kernel import CAN_INTERPRET, HAS_KERNEL, JAX_VERSION, MPMD, pltpu, sds, tc_mesh
@@ -388,7 +388,7 @@ def test_a_hand_annotation_that_contradicts_the_body_is_refused(mesh):
 
     f = shard_map(claim, mesh, P("data", None), P())
     with reprules.inference(), reprules.strict(), pytest.raises(  # strict keeps the refusal (else: the union)
-        reprules.RuleError, match=r"(?s)'body' annotates output 0 as replicated over \{'data'\}.*pcast"
+        reprules.RuleError, match=r"(?s)'body' annotates output 0 as replicated over \{'data'\}.*" + CAST_UP
     ):
         jax.jit(f)(x)
 

@@ -426,7 +426,7 @@ class _Hooks:
                             name, manual_axes(), _jax.JAX_VERSION,
                             jax_error="pl.kernel refuses an out_shape leaf without manual_axis_type "
                                       "under check_vma (reprules let it through for a body with a "
-                                      "rule, or under reprules.inference(), when the kernel was built)",
+                                      "rule, or for inference, when the kernel was built)",
                             inference="" if found is None else infer.refusal_text(
                                 found, name, manual_axes(), _jax.JAX_VERSION),
                         ))
