@@ -5,6 +5,7 @@
     python -m nox -s tests_python                                     # tests, the other Pythons
     python -m nox -s typecheck                                        # mypy --strict, newest JAX
     python -m nox -s docs                                             # the documentation site, warnings as errors
+    python -m nox -s coverage                                         # every op of the kernel libraries: the coverage table
     python -m pip install --quiet nox uv && python -m nox -s main    # the main job
 """
 
@@ -43,6 +44,11 @@ PYTHON_SUITE = [
 
 EJKERNEL = "ejkernel==0.0.80.3"
 EJKERNEL_IMPORTS = ["beartype", "chex", "einops", "pydantic", "tqdm"]
+# MaxText declares no dependencies its kernels need and pins many it does not: installed
+# without them, with what importing maxtext.kernels (and maxtext.layers.moe) needs.
+MAXTEXT = "maxtext==0.2.5"
+MAXTEXT_IMPORTS = ["aqtp", "jinja2", "pathwaysutils", "omegaconf", "huggingface_hub", "transformers", "grain",
+                   "drjax", "pillow"]
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -121,3 +127,20 @@ def main(session: nox.Session) -> None:
     """The main job, on the newest supported JAX: ``reprules audit`` of its default workload."""
     _install(session, f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", "-e", ".")
     session.run("reprules", "audit", *session.posargs)
+
+
+@nox.session(python="3.12")
+def coverage(session: nox.Session) -> None:
+    """Every op of JAX's Pallas ops, ejkernel, tokamax and MaxText's kernels, measured on CPU.
+
+    ``.ci/coverage/run.py``: each op in its own process, unsharded, with checking off, with
+    checking on and only ``import reprules``, and under ``reprules.inference()``; prints the
+    README's coverage table. Arguments go to the script: ``-- jax --json coverage.json``.
+    Not in the default sessions: it takes tens of minutes on CPU.
+    """
+    jax = JAX_MATRIX[-1]
+    pins = (f"jax=={jax}", f"jaxlib=={jax}")
+    _install(session, *pins, "-e", ".[test,tokamax]")
+    _install(session, "--no-deps", EJKERNEL, MAXTEXT)
+    _install(session, *pins, *EJKERNEL_IMPORTS, *MAXTEXT_IMPORTS)
+    session.run("python", ".ci/coverage/run.py", *session.posargs)

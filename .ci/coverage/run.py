@@ -181,8 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     libraries = args.libraries or list(LIBRARIES)
     all_rows, out = [], []
     start = time.perf_counter()
-    import jax  # noqa: F401 - versions only
-
     header = (f"JAX {_version('jax')}, jaxlib {_version('jaxlib')}, reprules {_version('reprules')}, "
               f"Python {platform.python_version()}, CPU ({platform.machine()}), 8 fake devices, "
               f"(4, 2) mesh (\"data\", \"model\")")
