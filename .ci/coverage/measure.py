@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 import traceback
 import warnings
@@ -51,8 +52,13 @@ class Case:
 
 
 def first_line(err: BaseException, limit: int = 160) -> str:
-    text = str(err).strip().splitlines()
-    line = next((t.strip() for t in text if t.strip()), "")
+    """The error's first line; for an error that wraps a traceback (JAX's callback errors),
+    the wrapped exception's line."""
+    text = [t.strip() for t in str(err).strip().splitlines() if t.strip()]
+    line = text[0] if text else ""
+    if "Traceback (most recent call last)" in line:
+        raised = [t for t in text if re.match(r"^[\w.]+(Error|Exception)\b.*:", t)]
+        line = raised[-1] if raised else line
     return (line[: limit - 1] + "…") if len(line) > limit else line
 
 
@@ -196,7 +202,7 @@ def summarize(case: Case, results: dict) -> dict:
             if "grad" in res and "grad" in other:
                 entry[f"grad_vs_{name}"] = rel_err(res["grad"], other["grad"])
         row["modes"][mode] = entry
-    row["runs_on_cpu"] = _runs(row["modes"])
+    row["runs_on_cpu"] = runs_on_cpu(row["modes"])
     for mode in ("on", "infer"):
         if mode in row["modes"]:
             row["modes"][mode]["outcome"] = outcome(row["modes"], mode, case.tol)
@@ -207,12 +213,12 @@ def summarize(case: Case, results: dict) -> dict:
     return row
 
 
-def _runs(modes: dict) -> dict:
-    """Runs on CPU: the op ran (forward) unsharded or with checking off; else the first error."""
-    ran = [m for m in ("ref", "off") if m in modes and modes[m].get("error", {}).get("step") != "forward"]
-    if ran:
+def runs_on_cpu(modes: dict) -> dict:
+    """Runs on CPU: the op's forward ran inside shard_map with checking off; else its error."""
+    off = modes.get("off", {"error": {"type": "?", "message": "not run", "step": "forward"}})
+    if off.get("error", {}).get("step") != "forward":
         return {"yes": True}
-    err = (modes.get("off") or modes.get("ref") or {}).get("error", {"type": "?", "message": "not run"})
+    err = off["error"]
     return {"yes": False, "why": f"{err['type']}: {err['message']}"}
 
 

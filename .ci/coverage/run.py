@@ -137,7 +137,7 @@ def markdown(library: str, rows: list, version: str | None) -> str:
         runs_cell = "yes" if runs["yes"] else f"no: {runs['why']}"
         off = modes.get("off", {})
         off_cell = (measure.fmt_pair(off.get("fwd_vs_ref"), off.get("grad_vs_ref"))
-                    if "fwd_vs_ref" in off else ("–" if "error" not in off else "error"))
+                    if "fwd_vs_ref" in off else "–")
         on, inf = modes.get("on", {}), modes.get("infer", {})
         d = lambda m: "–" if "defensive" not in m else str(m["defensive"])  # noqa: E731
         defensive = f"{d(off)} → {d(on)} ({d(inf)})" if modes else "–"
@@ -145,11 +145,33 @@ def markdown(library: str, rows: list, version: str | None) -> str:
         if modes.get("ref", {}).get("error"):
             e = modes["ref"]["error"]
             notes.append(f"unsharded reference fails: {e['type']}: {e['message']}")
+
+        def result(m):  # where the op does not run, "fails as off" without repeating the why
+            o = m.get("outcome")
+            return "fails as off" if not runs["yes"] and o and o["kind"] == "fails as off" else measure.cell_outcome(o)
+
         lines.append("| " + " | ".join(_cell(c) for c in (
-            f"`{r['op']}`", runs_cell, off_cell,
-            measure.cell_outcome(on.get("outcome")) if runs["yes"] or on else "–",
-            measure.cell_outcome(inf.get("outcome")) if runs["yes"] or inf else "–",
+            f"`{r['op']}`", runs_cell, off_cell, result(on), result(inf),
             defensive, "; ".join(n for n in notes if n))) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _kind(row: dict, mode: str) -> str:
+    return row.get("modes", {}).get(mode, {}).get("outcome", {}).get("kind", "")
+
+
+def overview(rows: list) -> str:
+    """One line per library: the README's table."""
+    lines = ["| library | ops tried | run on CPU | exact, only `import reprules` | exact, under `inference()` "
+             "| refused | wrong |", "|---|---|---|---|---|---|---|"]
+    for library in LIBRARIES:
+        mine = [r for r in rows if r.get("library") == library and "unavailable" not in r and "runs_on_cpu" in r]
+        if not mine:
+            continue
+        on_cpu = [r for r in mine if r["runs_on_cpu"]["yes"]]
+        count = lambda mode, kind: sum(1 for r in on_cpu if _kind(r, mode).startswith(kind))  # noqa: E731
+        lines.append(f"| {library} | {len(mine)} | {len(on_cpu)} | {count('on', 'exact')} | {count('infer', 'exact')} "
+                     f"| {count('on', 'refused')} | {count('on', 'wrong')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -169,45 +191,63 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--op", action="append", help="only this op (repeatable)")
     parser.add_argument("--json", metavar="FILE", help="write every row, with all numbers, to FILE")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per op (default %(default)s)")
+    parser.add_argument("--render", metavar="FILE", help="print the tables of a --json FILE, running nothing")
     parser.add_argument("--child", nargs=3, metavar=("LIBRARY", "OP", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child(*args.child)
+        return 0
+    if args.render:
+        data = json.loads(pathlib.Path(args.render).read_text())
+        print(render(data["setting"], data["rows"], data.get("versions", {}), data.get("seconds")))
         return 0
     unknown = [lib for lib in args.libraries if lib not in LIBRARIES]
     if unknown:
         parser.error(f"unknown libraries {unknown}: choose from {list(LIBRARIES)}")
     sys.path.insert(0, str(HERE))
     libraries = args.libraries or list(LIBRARIES)
-    all_rows, out = [], []
+    all_rows = []
     start = time.perf_counter()
     header = (f"JAX {_version('jax')}, jaxlib {_version('jaxlib')}, reprules {_version('reprules')}, "
               f"Python {platform.python_version()}, CPU ({platform.machine()}), 8 fake devices, "
               f"(4, 2) mesh (\"data\", \"model\")")
-    out.append(f"Coverage: {header}\n")
+    versions = {}
     for library in libraries:
         package = LIBRARIES[library][1]
         installed = importlib.util.find_spec(package) is not None
-        version = _version(package) if installed else None
-        rows = []
-        if installed:
-            for op in _cases_module(library).CASES:
-                if args.op and op not in args.op:
-                    continue
-                print(f"[coverage] {library} {op} ...", file=sys.stderr, flush=True)
-                row = run_one(library, op, args.timeout)
-                print(f"[coverage]   {row.get('seconds', '?')} s", file=sys.stderr, flush=True)
-                rows.append(row)
-        else:
-            rows = []
-        all_rows += [{**r, "library": library} for r in rows]
-        out.append(markdown(library, rows, version if installed else None))
-    out.append(summary(all_rows))
-    out.append(f"\n(whole run: {time.perf_counter() - start:.0f} s)")
-    print("\n".join(out))
+        versions[library] = _version(package) if installed else None
+        if not installed:
+            continue
+        for op in _cases_module(library).CASES:
+            if args.op and op not in args.op:
+                continue
+            print(f"[coverage] {library} {op} ...", file=sys.stderr, flush=True)
+            row = run_one(library, op, args.timeout)
+            print(f"[coverage]   {row.get('seconds', '?')} s", file=sys.stderr, flush=True)
+            all_rows.append({**row, "library": library})
+    seconds = round(time.perf_counter() - start)
+    print(render(header, all_rows, versions, seconds))
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"setting": header, "rows": all_rows}, indent=1, default=str))
+        pathlib.Path(args.json).write_text(json.dumps(
+            {"setting": header, "versions": versions, "seconds": seconds, "rows": all_rows}, indent=1, default=str))
     return 0
+
+
+def render(header: str, rows: list, versions: dict, seconds: float | None) -> str:
+    import measure
+
+    for r in rows:  # from the measurements (a --json file from an older script included)
+        if r.get("modes"):
+            r["runs_on_cpu"] = measure.runs_on_cpu(r["modes"])
+    out = [f"Coverage: {header}\n", overview(rows)]
+    libraries = list(versions) or list(dict.fromkeys(r["library"] for r in rows))
+    for library in libraries:
+        version = versions.get(library, "")
+        out.append(markdown(library, [r for r in rows if r.get("library") == library], version))
+    out.append(summary(rows))
+    if seconds is not None:
+        out.append(f"\n(whole run: {seconds:.0f} s)")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
