@@ -230,8 +230,8 @@ def outcome(modes: dict, mode: str, tol: float) -> dict:
         off_e = off.get("error")
         if off_e and off_e["step"] == e["step"] and off_e["type"] == e["type"]:
             return {"kind": "fails as off", "why": f"{e['type']} ({e['step']}): {e['message']}"}
-        who = "reprules" if e["reprules"] else e["module"].split(".")[0]
-        return {"kind": "refused", "why": f"{e['type']} ({who}, {e['step']}): {e['message']}"}
+        who = "reprules, " if e["reprules"] else ""
+        return {"kind": "refused", "why": f"{e['type']} ({who}{e['step']}): {e['message']}"}
     vs_ref = [m[k] for k in ("fwd_vs_ref", "grad_vs_ref") if k in m]
     vs_off = [m[k] for k in ("fwd_vs_off", "grad_vs_off") if k in m]
     ok_ref = all(x <= tol for x in vs_ref)

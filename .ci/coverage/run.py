@@ -117,6 +117,14 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _short_warning(text: str) -> str:
+    """``ReplicationWarning on 'kernel'`` (the JSON has the whole first line)."""
+    import re
+
+    found = re.match(r"^(\w+): .*?'([^']+)'", text)
+    return f"{found.group(1)} on '{found.group(2)}'" if found else text[:100]
+
+
 def markdown(library: str, rows: list, version: str | None) -> str:
     import measure
 
@@ -141,7 +149,7 @@ def markdown(library: str, rows: list, version: str | None) -> str:
         on, inf = modes.get("on", {}), modes.get("infer", {})
         d = lambda m: "–" if "defensive" not in m else str(m["defensive"])  # noqa: E731
         defensive = f"{d(off)} → {d(on)} ({d(inf)})" if modes else "–"
-        notes = [r.get("note", "")] + sorted(set(on.get("warnings", []) + inf.get("warnings", [])))
+        notes = [r.get("note", "")] + sorted({_short_warning(w) for w in on.get("warnings", []) + inf.get("warnings", [])})
         if modes.get("ref", {}).get("error"):
             e = modes["ref"]["error"]
             notes.append(f"unsharded reference fails: {e['type']}: {e['message']}")
@@ -239,6 +247,9 @@ def render(header: str, rows: list, versions: dict, seconds: float | None) -> st
     for r in rows:  # from the measurements (a --json file from an older script included)
         if r.get("modes"):
             r["runs_on_cpu"] = measure.runs_on_cpu(r["modes"])
+            for mode in ("on", "infer"):
+                if mode in r["modes"]:
+                    r["modes"][mode]["outcome"] = measure.outcome(r["modes"], mode, r["tol"])
     out = [f"Coverage: {header}\n", overview(rows)]
     libraries = list(versions) or list(dict.fromkeys(r["library"] for r in rows))
     for library in libraries:
