@@ -26,7 +26,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Union
 
 from reprules import _cpu_kernels as cpu_kernels
@@ -51,6 +52,7 @@ __all__ = [
     "cpu_kernels",
     "fake_cpu_devices",
     "shard_map",
+    "tpu_on_cpu",
 ]
 
 ExpectKey = Union[str, tuple[str, Union[str, tuple[str, ...]]]]
@@ -236,6 +238,72 @@ def fake_cpu_devices(n: int) -> None:
                 f"XLA_FLAGS={_environment.FLAG}={n} in the environment.")
         return
     _environment.request_cpu_devices(n)
+
+
+@contextlib.contextmanager
+def tpu_on_cpu(chip: str = "v5e", cores: int = 1) -> Iterator[None]:
+    """Runs Mosaic TPU Pallas kernels on CPU: TPU interpret mode, with the CPU
+    device described as a TPU ``chip`` for kernels that ask which TPU they run on.
+
+    Inside it, ``pltpu.force_tpu_interpret_mode()`` holds, and JAX's
+    ``get_tpu_info()`` (read by ``pltpu.emit_pipeline`` and by many kernels'
+    block-size logic: tokamax's and ejkernel's grouped matmuls, MaxText's tokamax
+    backend) describes the CPU device as that chip instead of raising
+    "Unsupported TPU device kind: cpu". Both are undone on exit.
+
+    Args:
+      chip: The TPU generation, as JAX's ``pltpu.ChipVersion`` names it without
+        ``TPU_``: ``"v5e"``, ``"v5p"``, ``"v6e"``, ``"7x"``...
+      cores: Tensor cores per logical device.
+
+    Raises:
+      ReprulesError: This JAX cannot describe a TPU for the CPU device (before
+        0.9), or ``chip`` is not one it knows.
+
+    Example:
+        ```python
+        with reprules.testing.tpu_on_cpu("v5e"):
+            out = jax.jit(step)(x)     # tokamax's ragged_dot, on CPU
+        ```
+    """
+    import jax
+    from jax.experimental.pallas import tpu as pltpu
+
+    from reprules._shim import _jax  # lazy: imports JAX
+
+    info = _jax.tpu_info_module()
+    chips = getattr(pltpu, "ChipVersion", None)
+    describe = getattr(pltpu, "get_tpu_info_for_chip", None)
+    if info is None or chips is None or describe is None:
+        raise ReprulesError(
+            f"tpu_on_cpu({chip!r}): JAX {jax.__version__} cannot describe a TPU for the CPU device.\n"
+            "Why: JAX keeps TPU descriptions by device kind only from 0.9 on.\n"
+            "Fix: use JAX 0.9 or newer, or plain pltpu.force_tpu_interpret_mode() for kernels that "
+            "do not ask which TPU they run on.")
+    known = {name.removeprefix("TPU_").lower(): member for name, member in chips.__members__.items()}
+    version = known.get(str(chip).lower().removeprefix("tpu_").removeprefix("tpu"))
+    if version is None:
+        raise ReprulesError(
+            f"tpu_on_cpu({chip!r}): JAX {jax.__version__} knows no such TPU.\n"
+            "Why: the chip names JAX's pltpu.ChipVersion.\n"
+            f"Fix: one of {', '.join(repr(k) for k in known)}.")
+    registry = info.registry
+    before = registry.get("cpu")
+    registry["cpu"] = lambda: describe(version, cores)
+
+    def forget() -> None:  # get_tpu_info() caches its answer on some versions
+        getattr(info.get_tpu_info, "cache_clear", lambda: None)()
+
+    forget()
+    try:
+        with pltpu.force_tpu_interpret_mode():
+            yield
+    finally:
+        if before is None:
+            registry.pop("cpu", None)
+        else:
+            registry["cpu"] = before
+        forget()
 
 
 def shard_map(f: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any,

@@ -58,15 +58,9 @@ def pack():
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    """TPU interpret mode on CPU, with a TPU v5e description for the CPU device kind (undone after)."""
-    from jax._src import tpu_info
-
-    monkeypatch.setitem(
-        tpu_info.registry, "cpu", lambda: pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V5E, 1)
-    )
-    yield pltpu.force_tpu_interpret_mode
-    getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)()
+def interpret():
+    """TPU interpret mode on CPU, with the CPU device described as a TPU v5e."""
+    return lambda: testing.tpu_on_cpu("v5e")
 
 
 def _grads(f, t, argnums):

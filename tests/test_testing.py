@@ -1,6 +1,7 @@
 """End-to-end reports of ``reprules.testing`` on the (4, 2) mesh."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,10 @@ from jax.sharding import PartitionSpec as P
 
 import reprules
 from helpers import JAX_VERSION, copy_kernel, kernel_copy, make_mesh, put, randn, shard_map
+from jax.experimental import pallas as pl
+
 from reprules import testing
+from reprules._errors import ReprulesError
 
 
 def _issue21855(mesh, check, constant=False):
@@ -212,3 +216,45 @@ def test_the_tests_helpers_agree_with_reprules_testing():
         ours = jax.make_jaxpr(testing.shard_map(jnp.sin, mesh, P("data", None), P("data", None), check=check))(x)
         theirs = jax.make_jaxpr(helpers.shard_map(jnp.sin, mesh, P("data", None), P("data", None), check=check))(x)
         assert str(ours) == str(theirs)
+
+
+TPU_INFO = JAX_VERSION >= (0, 9)  # JAX keeps TPU descriptions by device kind from 0.9
+
+
+@pytest.mark.skipif(not TPU_INFO, reason=f"JAX {jax.__version__} cannot describe a TPU for the CPU device")
+def test_tpu_on_cpu_describes_the_cpu_device_as_that_tpu_and_undoes_it():
+    from jax.experimental.pallas import tpu as pltpu
+
+    def vmem(x_ref, o_ref):  # a kernel that asks which TPU it runs on
+        o_ref[...] = x_ref[...] + pltpu.get_tpu_info().vmem_capacity_bytes
+
+    x = jnp.zeros((8, 128), jnp.float32)
+
+    def call(x):  # built inside the context, as interpret mode needs
+        return pl.pallas_call(vmem, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    with testing.tpu_on_cpu("v5e"):
+        v5e = float(call(x)[0, 0])
+    with testing.tpu_on_cpu("v6e"):
+        v6e = float(call(x)[0, 0])
+    expected = [pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, c), 1).vmem_capacity_bytes
+                for c in ("TPU_V5E", "TPU_V6E")]
+    assert [v5e, v6e] == [float(e) for e in expected]
+    with pytest.raises(Exception, match="(?i)unsupported TPU device kind|cpu"):  # undone: JAX's own refusal again
+        pltpu.get_tpu_info()
+
+
+@pytest.mark.skipif(not TPU_INFO, reason=f"JAX {jax.__version__} cannot describe a TPU for the CPU device")
+def test_tpu_on_cpu_refuses_a_chip_jax_does_not_know():
+    with pytest.raises(ReprulesError, match=r"(?s)tpu_on_cpu\('v99'\): JAX \S+ knows no such TPU\..*Why: .*"
+                       r"Fix: one of 'v2', .*'v5e'"):
+        with testing.tpu_on_cpu("v99"):
+            pass
+
+
+@pytest.mark.skipif(TPU_INFO, reason="JAX 0.9+ can describe a TPU for the CPU device")
+def test_tpu_on_cpu_says_this_jax_cannot():
+    with pytest.raises(ReprulesError, match=rf"(?s)JAX {re.escape(jax.__version__)} cannot describe a TPU "
+                       r"for the CPU device\..*Why: .*from 0\.9 on\..*Fix: use JAX 0\.9 or newer"):
+        with testing.tpu_on_cpu():
+            pass

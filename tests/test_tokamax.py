@@ -35,6 +35,7 @@ from helpers import max_err, pack_state_on_import, psum_axes, put, randn, shard_
 from jax.sharding import PartitionSpec as P
 
 import reprules
+from reprules import testing
 
 tokamax = pytest.importorskip(
     "tokamax", reason="tokamax (PyPI `tokamax`, needs JAX >= 0.11.1) is not installed; these tests run "
@@ -57,22 +58,16 @@ def pack():
 
 
 @pytest.fixture
-def cpu_as_tpu(monkeypatch):
-    """Run tokamax's Mosaic TPU kernels on CPU: interpret mode, no device check,
-    and a TPU v5e description for the CPU device kind (undone afterwards)."""
-    from jax._src import tpu_info
-
-    monkeypatch.setitem(
-        tpu_info.registry, "cpu", lambda: pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V5E, 1)
-    )
+def cpu_as_tpu():
+    """Run tokamax's Mosaic TPU kernels on CPU: interpret mode, the CPU device
+    described as a TPU v5e, and no device check (tokamax's cross_compile)."""
 
     @contextlib.contextmanager
     def ctx():
-        with pltpu.force_tpu_interpret_mode(), tokamax.config.cross_compile(True):
+        with testing.tpu_on_cpu("v5e"), tokamax.config.cross_compile(True):
             yield
 
-    yield ctx
-    getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)()
+    return ctx
 
 
 def _ragged_inputs(mesh):

@@ -24,7 +24,7 @@ from jax._src.state.types import AbstractRef
 from reprules._version import version_tuple as _parse
 
 __all__ = ["JAX_VERSION", "AbstractRef", "backends_started", "api_util", "config", "core", "ffi_call_p", "lu", "mesh_lib", "module",
-           "pallas_call_p", "pe", "primitive", "source_info_util", "version_tuple"]
+           "pallas_call_p", "pe", "primitive", "source_info_util", "tpu_info_module", "version_tuple"]
 
 JAX_VERSION: str = jax.__version__
 
@@ -76,6 +76,17 @@ def pallas_call_p() -> Any:
     from jax._src.pallas.pallas_call import pallas_call_p as p
 
     return p
+
+
+def tpu_info_module() -> Any:
+    """The module holding JAX's registry of TPU descriptions by device kind (which
+    ``get_tpu_info()`` reads): ``jax._src.tpu_info`` from 0.11, ``jax._src.pallas.mosaic.tpu_info``
+    on 0.9 - 0.10; None before (no registry)."""
+    for name in ("jax._src.tpu_info", "jax._src.pallas.mosaic.tpu_info"):
+        found = module(name)
+        if isinstance(getattr(found, "registry", None), dict):
+            return found
+    return None
 
 
 def backends_started() -> bool:
