@@ -157,3 +157,63 @@ def test_an_aliased_output_is_still_refused(mesh):
     f = shard_map(body, mesh, (P("data", None), P()), P())
     with pytest.raises(reprules.RuleError, match=r"(?s)is the buffer of its input 1"):
         jax.jit(f)(x, acc)
+
+
+# --- a library's own pcast of a widened output (MaxText's megablox fork) -----------------
+@jax.jit  # as megablox's backend.gmm: the kernel is bound inside a jit, the cast is outside
+def _replicated_matmul(x, w):
+    return pl.pallas_call(matmul_kernel, out_shape=_annotated_like((x.shape[0], w.shape[1]), x.dtype, w),
+                          interpret=True)(x, w)
+
+
+def _cast_fwd(x, w):
+    out = _replicated_matmul(x, w)  # annotated replicated, then cast to the activations' axes
+    return jax.lax.pcast(out, "data", to="varying"), (x, w)
+
+
+@jax.custom_vjp
+def cast_linear(x, w):
+    return _cast_fwd(x, w)[0]
+
+
+cast_linear.defvjp(_cast_fwd, _bwd)
+needs_pcast = pytest.mark.skipif(not hasattr(jax.lax, "pcast"), reason=f"JAX {jax.__version__} has no jax.lax.pcast")
+
+
+@needs_pcast
+def test_a_library_cast_of_a_widened_output_to_varying_is_the_identity(mesh):
+    """The forward's annotation (replicated) is widened to {'data'}; the library's own
+    ``pcast(out, 'data', to='varying')`` (JAX: "Unsupported pcast from=varying") is then
+    the identity: forward and gradients exact, one psum over 'data'."""
+    x, w, t = _inputs(mesh)
+    f = shard_map(cast_linear, mesh, (P("data", None), P()), P("data", None))
+    grad = jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1))
+    with pytest.warns(reprules.ReplicationWarning) as caught:
+        out = jax.jit(f)(x, w)
+        psums = psum_axes(grad, x, w)
+        gx, gw = jax.jit(grad)(x, w)
+        out_again = jax.jit(f)(x, w)  # the kernel's jit cached: its output is found all the same
+    ex, ew = _expected(x, w, t)
+    assert max_err(out, np.asarray(x, np.float64) @ np.asarray(w, np.float64)) < 1e-4
+    assert max_err(out_again, out) == 0.0
+    assert max_err(gx, ex) < 1e-4 and max_err(gw, ew) < 1e-4
+    assert psums == [("data",)]
+    assert {"'matmul_kernel'", "'wgrad_kernel'"} <= {m for c in caught for m in ("'matmul_kernel'", "'wgrad_kernel'")
+                                                     if m in str(c.message)}
+
+
+@needs_pcast
+def test_a_cast_of_any_other_varying_value_is_refused_as_jax_refuses_it(mesh):
+    """Only the widened output's cast is the identity: the same cast of the (data-varying)
+    activations next to it gets JAX's own error, word for word."""
+    x, w, _ = _inputs(mesh)
+
+    def body(x, w):
+        return cast_linear(x, w) + jax.lax.pcast(x, "data", to="varying")[:, :N]
+
+    f = shard_map(body, mesh, (P("data", None), P()), P("data", None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", reprules.ReplicationWarning)
+        with pytest.raises(ValueError) as refused:
+            jax.jit(f)(x, w)
+    assert refused.value.args == ("Unsupported pcast from=varying, to='varying'",)

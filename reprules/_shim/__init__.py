@@ -28,7 +28,7 @@ The modules stand in layers, each importing only those below it
 3. ``_effects``, ``_analysis``, ``infer`` (rules derived from a kernel body);
 4. ``_rules`` (the rule behind an equation), ``_taint``, ``_union``;
 5. adapters: ``_pallas_hooks``, ``pallas_call``, ``_kernel_inference``, ``core_map``, ``primitives``,
-   ``strict``, ``_bwd_trace``, ``custom_vjp``, ``_verify``, ``_source``;
+   ``strict``, ``_bwd_trace``, ``custom_vjp``, ``_verify``, ``_source``, ``pcast``;
 6. eras: ``rep`` (with ``rep_gaps``, ``custom_vjp_rep``), ``vma``, ``mat``; then this façade.
 """
 

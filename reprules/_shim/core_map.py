@@ -459,6 +459,8 @@ class _Hooks:
             with _kernels.tracing(reg):
                 out = original(*cast, *rest, **{**params, "out_avals": typed})
             _verify.check_outputs(self.field, reg, list(out))
+            if widened:  # for a pcast of these outputs to varying (see pcast.py)
+                _union.remember(self.field, typed, out, out_avals, widened)
             return out
 
         return bind

@@ -300,6 +300,8 @@ class TypedPallasCall:
         with _kernels.tracing(reg):
             out = bind(*args, **{**params, "out_avals": out_avals})
         _verify.check_outputs(self.field, reg, list(out))
+        if widened:  # for a pcast of these outputs to varying (see pcast.py)
+            _union.remember(self.field, out_avals, out, params["out_avals"], widened)
         return out
 
     def _check_annotations(self, params: dict[str, Any], out_avals: Sequence[Any],

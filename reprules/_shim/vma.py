@@ -12,6 +12,8 @@ varying axes (``_types.TypeField``):
   their abstract eval;
 * ``custom_vjp``: psums a ``custom_vjp`` cotangent over the axes it varies over
   and its primal does not (JAX <= 0.5 did this itself; from 0.6.2 JAX refuses it);
+* ``pcast``: ``pcast(..., to='varying')`` of an output reprules widened
+  (the annotation union) over the axes it added is the identity;
 * ``strict``: strict mode's check after each staged primitive.
 
 The *mat* era (0.10+) is the same with another type field (``mat.py``).
@@ -19,7 +21,7 @@ The *mat* era (0.10+) is the same with another type field (``mat.py``).
 
 from __future__ import annotations
 
-from reprules._shim import _jax, _rules, core_map, custom_vjp, primitives, strict
+from reprules._shim import _jax, _rules, core_map, custom_vjp, pcast, primitives, strict
 from reprules._shim._patches import Patches
 from reprules._shim._types import TypeField
 from reprules._shim.pallas_call import TypedPallasCall
@@ -48,6 +50,7 @@ class Regime:
         if ffi is not None:
             self.attach(ffi, patches)
         core_map.install(patches, self.field)  # after pallas_call's: it wraps that conversion hook
+        pcast.install(patches)
 
     def attach(self, op: _rules.Opaque, patches: Patches) -> None:
         """Types the outputs of a user primitive, ``ffi_call`` or ``triton_call`` by its rule."""
