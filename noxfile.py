@@ -44,11 +44,10 @@ PYTHON_SUITE = [
 
 EJKERNEL = "ejkernel==0.0.80.3"
 EJKERNEL_IMPORTS = ["beartype", "chex", "einops", "pydantic", "tqdm"]
-# MaxText declares no dependencies its kernels need and pins many it does not: installed
-# without them, with what importing maxtext.kernels (and maxtext.layers.moe) needs.
+# MaxText declares no dependencies; its kernel modules (megablox through its quantization layer)
+# import these, which bring only pure-Python packages (no transformers, grain or tensorflow).
 MAXTEXT = "maxtext==0.2.5"
-MAXTEXT_IMPORTS = ["aqtp", "jinja2", "pathwaysutils", "omegaconf", "huggingface_hub", "transformers", "grain",
-                   "drjax", "pillow"]
+MAXTEXT_IMPORTS = ["aqtp", "jinja2", "pathwaysutils"]
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -70,6 +69,10 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
         # pins (its pack's test, tests/test_ejkernel.py), with the pure-Python packages it imports.
         _install(session, "--no-deps", EJKERNEL)
         _install(session, *EJKERNEL_IMPORTS)
+        # MaxText's kernels (tests/test_maxtext.py: its maxtext and qwix packs); maxtext itself
+        # without dependencies, then what its kernel modules import, with the JAX above kept.
+        _install(session, "--no-deps", MAXTEXT)
+        _install(session, *MAXTEXT_IMPORTS, f"jax=={jax}", f"jaxlib=={jax}")
     # The soundness fuzzer (tests/test_fuzz_inference.py): a seed that changes between runs,
     # printed here so that a failure can be replayed; 300 kernels on the newest JAX, 100 elsewhere.
     seed = os.environ.get("REPRULES_FUZZ_SEED") or str(int(time.time()) % 2**31)
