@@ -65,3 +65,20 @@ def frame_locals(frame: FrameType) -> dict[str, Any]:
     # A running function frame's f_locals is a snapshot that includes its free
     # variables (the closure's `body`, `out_shape`, `meshes_and_fns`).
     return dict(frame.f_locals)
+
+
+# Modules whose frames are plumbing between the user's call and a kernel's bind.
+_SKIP = ("jax.", "jaxlib.", "reprules.", "contextlib", "functools")
+
+
+def annotation_site(depth: int = 5) -> str:
+    """Where the kernel was called from, outside JAX and reprules: the innermost
+    frames, where its out_shape (and so the annotation) was built or passed."""
+    frame: FrameType | None = sys._getframe(1)
+    found: list[str] = []
+    while frame is not None and len(found) < depth:
+        module = str(frame.f_globals.get("__name__", ""))
+        if not module.startswith(_SKIP) and module != "jax":
+            found.append(f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})")
+        frame = frame.f_back
+    return " <- ".join(found)

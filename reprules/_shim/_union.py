@@ -15,34 +15,18 @@ input (widening it would need the input cast up, which is the user's to do).
 
 from __future__ import annotations
 
-import sys
 import threading
 import warnings
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 from reprules import _errors
 from reprules._mode_state import strict_on
-from reprules._shim import _jax
+from reprules._shim import _frames, _jax
 from reprules._shim._types import TypeField, manual_axes
 
 _warned: set[tuple[str, str]] = set()  # (kernel, site): one warning per kernel
 _lock = threading.Lock()
-_SKIP = ("jax.", "jaxlib.", "reprules.", "contextlib", "functools")
-
-
-def annotation_site(depth: int = 5) -> str:
-    """Where the kernel was called from, outside JAX and reprules: the innermost
-    frames, where its out_shape (and so the annotation) was built or passed."""
-    frame: FrameType | None = sys._getframe(1)
-    found: list[str] = []
-    while frame is not None and len(found) < depth:
-        module = str(frame.f_globals.get("__name__", ""))
-        if not module.startswith(_SKIP) and module != "jax":
-            found.append(f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})")
-        frame = frame.f_back
-    return " <- ".join(found)
 
 
 def widen(field: TypeField, kernel: str, site: str, out_avals: Sequence[Any],
@@ -67,7 +51,7 @@ def widen(field: TypeField, kernel: str, site: str, out_avals: Sequence[Any],
             _warned.add((kernel, site))
         if first:
             warnings.warn(_errors.annotation_union_message(
-                kernel, i, missing, have | needed, manual_axes(), _jax.JAX_VERSION, annotation_site()),
+                kernel, i, missing, have | needed, manual_axes(), _jax.JAX_VERSION, _frames.annotation_site()),
                 _errors.ReplicationWarning, stacklevel=2)
     return widened
 
