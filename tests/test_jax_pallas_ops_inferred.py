@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import JAX_VERSION, max_err, psum_axes, put, randn, shard_map
+from helpers import JAX_VERSION, max_err, megablox_in_own_process, psum_axes, put, randn, shard_map
 from reprules import testing
 from reprules._builtin_packs import jax_pallas_ops as pack
 
@@ -63,7 +62,7 @@ def test_prng_kernels_with_the_pack_alone(mesh, name):
 @pytest.mark.skipif(JAX_VERSION < (0, 11), reason="JAX 0.7 - 0.10's TPU interpreter hangs on megablox in shard_map")
 def test_megablox_gmm_with_the_pack_alone(mesh):
     if os.environ.get(_INNER) != "1":
-        return _in_own_process("test_megablox_gmm_with_the_pack_alone")
+        return megablox_in_own_process(__file__, "test_megablox_gmm_with_the_pack_alone", {_INNER: "1"})
     _loaded("megablox")
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
@@ -101,22 +100,3 @@ def test_the_packs_load_on_import():
 
 
 _INNER = "REPRULES_PACK_GMM_INNER"
-HANG_S = 120
-
-
-def _in_own_process(name):
-    """As tests/test_megablox_per_shard.py: JAX's TPU interpreter can deadlock or abort in its
-    callbacks (JAX alone too, now and then on 0.11+ on a loaded 2-core machine); a hung
-    process must not hang the suite, and a wrong result still fails."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{pathlib.Path(__file__).name}::{name}"],
-            cwd=pathlib.Path(__file__).parent, env={**os.environ, _INNER: "1"},
-            capture_output=True, text=True, timeout=HANG_S)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"JAX {jax.__version__}'s TPU interpreter hung running megablox gmm for {HANG_S} s "
-                    "(a deadlock of its callbacks, seen with JAX alone): no result to check")
-    if done.returncode < 0:
-        pytest.skip(f"JAX {jax.__version__}'s TPU interpreter aborted running megablox gmm (signal "
-                    f"{-done.returncode}): no result to check")
-    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import JAX_VERSION, NEW_SHARD_MAP, max_err, psum_axes, put, randn, shard_map
+from helpers import JAX_VERSION, NEW_SHARD_MAP, max_err, megablox_in_own_process, psum_axes, put, randn, shard_map
 
 pytestmark = pytest.mark.skipif(not NEW_SHARD_MAP, reason=(
     f"JAX {jax.__version__} has no check_vma (0.6+) and no public TPU interpreter "
@@ -92,7 +89,8 @@ def _reference(lhs, rhs, t):
 @pytest.mark.parametrize("mode", ["InterpretParams", "force_tpu_interpret_mode"])
 def test_gmm_with_group_sizes_sharded_over_data_equals_ragged_dot_per_shard(mesh, mode):
     if os.environ.get(_INNER) != mode:
-        return _in_a_subprocess(mode)
+        return megablox_in_own_process(
+            __file__, f"test_gmm_with_group_sizes_sharded_over_data_equals_ragged_dot_per_shard[{mode}]", {_INNER: mode})
     gmm = _gmm()
     kwargs, interpret = _tpu_interpret(mode)
     lhs, rhs, t = randn(0, (4 * M, K)), randn(1, (len(SIZES[0]), K, N)), randn(2, (4 * M, N))
@@ -120,26 +118,6 @@ def test_gmm_with_group_sizes_sharded_over_data_equals_ragged_dot_per_shard(mesh
 
 
 _INNER = "REPRULES_MEGABLOX_MODE"
-HANG_S = 120  # it runs in ~12 s when the interpreter does not hang
-
-
-def _in_a_subprocess(mode):
-    """Runs the gmm test in its own pytest process, given :data:`HANG_S` seconds: JAX's TPU
-    interpreter can deadlock in its callbacks (JAX alone too, always on 0.6 - 0.10, now and then
-    on 0.11 on a loaded 2-core machine), and a hung process must not hang the suite."""
-    test = f"{pathlib.Path(__file__).name}::test_gmm_with_group_sizes_sharded_over_data_equals_ragged_dot_per_shard[{mode}]"
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", test],
-            cwd=pathlib.Path(__file__).parent, env={**os.environ, _INNER: mode},
-            capture_output=True, text=True, timeout=HANG_S)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"JAX {jax.__version__}'s TPU interpreter hung running megablox gmm for {HANG_S} s "
-                    "(a deadlock of its callbacks, seen with JAX alone): no result to check")
-    if done.returncode < 0:  # killed by a signal: JAX's interpreter aborted (seen on 0.11.2 under load)
-        pytest.skip(f"JAX {jax.__version__}'s TPU interpreter aborted running megablox gmm (signal "
-                    f"{-done.returncode}): no result to check. {done.stderr.strip().splitlines()[:1]}")
-    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
 def _first_step_copy(n_ref, x_ref, o_ref):
