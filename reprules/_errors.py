@@ -123,11 +123,21 @@ def _cast_up(value: str, axes: tuple[str, ...], jax_version: str) -> str:
     return f"jax.lax.pvary({value}, {shown})" if old else f"jax.lax.pcast({value}, {shown}, to='varying')"
 
 
+def _needs(rule: str | None, over: str) -> str:
+    """Why output needs to vary over ``over``: the body inference analysed (``rule`` None),
+    or the kernel's registered rule (``rule``: its repr and where it was registered)."""
+    if rule is None:
+        return f"its body (analysed by reprules.inference()) makes it depend on inputs that vary over {over}"
+    return f"its replication rule, {rule}, types it varying over {over}"
+
+
 def annotation_message(
     kernel: str, index: int, missing: Iterable[str], needed: Iterable[str],
     mesh_axes: Iterable[str], jax_version: str, aliased_input: int | None = None,
+    rule: str | None = None,
 ) -> str:
-    """Inference found output ``index`` depending on axes its type says it is replicated over.
+    """Output ``index`` needs axes its type says it is replicated over: by what inference
+    found in its body, or (``rule``) by the kernel's registered rule.
 
     ``kernel`` reads like "Pallas kernel 'name'". ``aliased_input``: the input whose
     buffer the output is; JAX types the output like it, so the user never wrote
@@ -140,17 +150,18 @@ def annotation_message(
     if aliased_input is None:
         return (
             f"The out_shape of {kernel} annotates output {index} as replicated over {fmt_axes(over)}, "
-            f"but its body (analysed by reprules.inference()) makes it depend on inputs that vary "
-            f"over {fmt_axes(over)} {where}.\n{why}"
+            f"but {_needs(rule, fmt_axes(over))} {where}.\n{why}"
             f"Fix: annotate the output as varying over {fmt_axes(needed)} (or leave it unannotated "
-            "and let inference type it); if the annotation comes from a library, cast the input it "
-            f"derives its type from up first, e.g. {cast}."
+            f"and let {'inference' if rule is None else 'the rule'} type it); if the annotation comes "
+            f"from a library, cast the input it derives its type from up first, e.g. {cast}."
         )
     return (
         f"Output {index} of {kernel} is the buffer of its input {aliased_input} (aliased: "
         "input_output_aliases, or a ref that a pl.core_map body writes into), so JAX types it like "
-        f"that input, replicated over {fmt_axes(over)}; but its body (analysed by "
-        f"reprules.inference()) writes into it values that vary over {fmt_axes(over)} {where}.\n"
+        f"that input, replicated over {fmt_axes(over)}; but "
+        + (f"its body (analysed by reprules.inference()) writes into it values that vary over {fmt_axes(over)}"
+           if rule is None else _needs(rule, fmt_axes(over)))
+        + f" {where}.\n"
         f"{why}"
         f"Fix: cast the array behind input {aliased_input} up before the kernel (before "
         f"jax.new_ref, for a ref), e.g. {cast}; the output is "
@@ -160,21 +171,25 @@ def annotation_message(
 
 class ReplicationWarning(UserWarning):
     """A hand-written ``out_shape`` annotation said an output is replicated over
-    an axis the kernel's body makes it depend on; reprules typed the output by
-    the union of the annotation and the derived varying axes (more varying is
-    always sound) rather than refuse it. ``reprules.strict()`` refuses instead."""
+    an axis the kernel's body makes it depend on (or its registered rule types it
+    varying over); reprules typed the output by the union of the annotation and
+    the derived varying axes (more varying is always sound) rather than refuse
+    it. ``reprules.strict()`` refuses instead."""
 
 
 def annotation_union_message(kernel: str, index: int, missing: Iterable[str], typed: Iterable[str],
-                             mesh_axes: Iterable[str], jax_version: str, site: str = "") -> str:
-    """:class:`ReplicationWarning`: an annotation too small for what the body shows, widened."""
+                             mesh_axes: Iterable[str], jax_version: str, site: str = "",
+                             rule: str | None = None) -> str:
+    """:class:`ReplicationWarning`: an annotation too small for what the body shows (or,
+    with ``rule``, for what the kernel's registered rule says), widened."""
     over = fmt_axes(missing)
     at = f" (the out_shape was passed at {site})" if site else ""
     return (
-        f"The out_shape of {kernel}{at} annotates output {index} as replicated over {over}, but its "
-        f"body (analysed by reprules' inference) makes it depend on inputs that vary over {over} "
+        f"The out_shape of {kernel}{at} annotates output {index} as replicated over {over}, but "
+        f"{_needs(rule, over)} "
         f"(mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version}). reprules typed the output varying over "
-        f"{fmt_axes(typed)}, the union of the annotation and the body; a gradient that needs it gets its "
+        f"{fmt_axes(typed)}, the union of the annotation and the {'body' if rule is None else 'rule'}; "
+        "a gradient that needs it gets its "
         f"psum over {over}. Under JAX alone this gradient would be silently wrong. Fix the annotation "
         f"at its source, or cast the input it derives its type from up first "
         f"({_cast_up('...', (), jax_version)}), to silence this; reprules.strict() refuses such an "

@@ -1,6 +1,6 @@
 """The annotation union: an out_shape annotated by hand that says an output is
 replicated over an axis the kernel's body (analysed by inference) makes it
-depend on.
+depend on, or that the kernel's registered rule types it varying over.
 
 JAX believes an annotation, so such an output would be typed replicated and a
 gradient through it would miss its psum (silently wrong under JAX alone:
@@ -11,6 +11,15 @@ annotation and the derived axes, warns once per kernel
 gets the psum from ``custom_vjp``. ``reprules.strict()`` keeps the refusal
 (:class:`reprules.RuleError`), and so does an output JAX types like an aliased
 input (widening it would need the input cast up, which is the user's to do).
+
+A declared rule gets the same union: an annotation copied from an operand is
+not a statement about the kernel. JAX's splash attention (0.10+) types MQA's
+dk/dv out_shape ``jax.ShapeDtypeStruct.like(k)``: with k sharded over the batch
+axis and replicated over the head axis, that says dk varies over the batch axis
+only, while the per-shard dk sums over the local query heads (``rules.same()``
+types it varying over both). Believing the annotation dropped the psum over the
+head axis: a silently wrong dk/dv. An annotation that claims *more* axes than
+the rule is kept as it is (the union is the annotation).
 """
 
 from __future__ import annotations
@@ -22,20 +31,29 @@ from typing import Any
 
 from reprules import _errors
 from reprules._mode_state import strict_on
-from reprules._shim import _frames, _jax
+from reprules._shim import _frames, _jax, infer
 from reprules._shim._types import TypeField, manual_axes
 
 _warned: set[tuple[str, str]] = set()  # (kernel, site): one warning per kernel
 _lock = threading.Lock()
 
 
+def rule_text(reg: Any) -> str | None:
+    """What messages say the needed axes come from: None for a rule derived by
+    inference (its body), else the declared rule and where it was registered."""
+    if isinstance(reg.rule, infer.InferredRule):
+        return None
+    return f"{reg.rule!r} (registered from {reg.source})"
+
+
 def widen(field: TypeField, kernel: str, site: str, out_avals: Sequence[Any],
           derived: Sequence[frozenset[str]], kept: Sequence[bool], aliased: dict[int, int],
-          can_widen: bool = True) -> dict[int, Any]:
+          can_widen: bool = True, rule: str | None = None) -> dict[int, Any]:
     """``{output index: type}`` for each kept (hand-annotated) output that the
-    body needs to vary over more axes than its annotation says: the union.
-    Raises :class:`reprules.RuleError` instead under ``reprules.strict()``, for
-    an aliased output, or where the caller cannot retype (``can_widen``)."""
+    body (or, with ``rule``, the kernel's declared rule) needs to vary over more
+    axes than its annotation says: the union. Raises :class:`reprules.RuleError`
+    instead under ``reprules.strict()``, for an aliased output, or where the
+    caller cannot retype (``can_widen``)."""
     widened: dict[int, Any] = {}
     for i, (aval, needed, keep) in enumerate(zip(out_avals, derived, kept)):
         have = field.varying(aval)
@@ -44,14 +62,14 @@ def widen(field: TypeField, kernel: str, site: str, out_avals: Sequence[Any],
             continue
         if strict_on() or i in aliased or not can_widen:
             raise _errors.RuleError(_errors.annotation_message(
-                kernel, i, missing, needed, manual_axes(), _jax.JAX_VERSION, aliased.get(i)))
+                kernel, i, missing, needed, manual_axes(), _jax.JAX_VERSION, aliased.get(i), rule=rule))
         widened[i] = field.retype(aval, have | needed)
         with _lock:
             first = (kernel, site) not in _warned
             _warned.add((kernel, site))
         if first:
             warnings.warn(_errors.annotation_union_message(
-                kernel, i, missing, have | needed, manual_axes(), _jax.JAX_VERSION, _frames.annotation_site()),
+                kernel, i, missing, have | needed, manual_axes(), _jax.JAX_VERSION, _frames.annotation_site(), rule=rule),
                 _errors.ReplicationWarning, stacklevel=2)
     return widened
 

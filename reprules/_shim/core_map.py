@@ -438,12 +438,11 @@ class _Hooks:
             in_vary = self._in_varying(user)
             decision = self._agreed(registered, len(fns), in_vary, len(out_avals))
             reg = registered[0][1]
-            if isinstance(reg.rule, infer.InferredRule):
-                kept = [h or (not let and bool(self.field.varying(a)))
-                        for a, h, let in zip(out_avals, made.honoured, made.let_through)]
-                widened = self._check_annotations(reg, params, out_avals, decision.outputs, kept)
-            else:
-                widened = {}
+            # An annotated output keeps its annotation only where that claims no fewer
+            # axes than the rule (derived or declared): see _union.
+            kept = [h or (not let and bool(self.field.varying(a)))
+                    for a, h, let in zip(out_avals, made.honoured, made.let_through)]
+            widened = self._check_annotations(reg, params, out_avals, decision.outputs, kept)
             cast = list(user)
             if decision.inputs is not None:
                 for i, (x, now, target) in enumerate(zip(user, in_vary, decision.inputs)):
@@ -482,12 +481,13 @@ class _Hooks:
     def _check_annotations(self, reg: Registration, params: dict[str, Any], out_avals: Sequence[Any],
                            derived: Sequence[frozenset[str]], kept: Sequence[bool],
                            can_widen: bool = True) -> dict[int, Any]:
-        """Under inference, an out_shape annotated by hand (kept as JAX typed it) that
-        claims an output replicated over an axis the body shows it depends on is
-        widened to the union (see ``_union``), or refused where it cannot be."""
+        """An out_shape annotated by hand (kept as JAX typed it) that claims an output
+        replicated over an axis its rule (derived from the body, or declared) types
+        it varying over is widened to the union (see ``_union``), or refused where
+        it cannot be."""
         aliased = {int(o): int(i) for i, o in dict(params.get("input_output_aliases") or {}).items()}
         return _union.widen(self.field, f"pl.kernel (or pl.core_map) body {reg.name!r}", reg.where or "",
-                            out_avals, derived, kept, aliased, can_widen)
+                            out_avals, derived, kept, aliased, can_widen, rule=_union.rule_text(reg))
 
     def _agreed(self, registered: list[tuple[Any, Registration]], num_bodies: int,
                 in_vary: tuple[frozenset[str], ...], num_out: int) -> Decision:

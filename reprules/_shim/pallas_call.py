@@ -286,9 +286,9 @@ class TypedPallasCall:
         in_vary = tuple([varying(jax.typeof(a)) for a in args[first:]])
         decision = decide_call(reg, in_vary, manual, len(out_avals),
                                lambda: _rules.rule_context(reg, manual, len(in_vary), len(out_avals)))
-        widened: dict[int, Any] = {}
-        if isinstance(reg.rule, infer.InferredRule):
-            widened = self._check_annotations(params, out_avals, decision.outputs, unannotated)
+        # An annotated output keeps its annotation only where that claims no fewer axes
+        # than the rule (derived or declared): see _union.
+        widened = self._check_annotations(reg, params, out_avals, decision.outputs, unannotated)
         # No transpose rule, so no cast is ever transposed: cast only where JAX types an
         # output like its input (aliasing). See the module docstring.
         if params.get("input_output_aliases"):
@@ -304,17 +304,20 @@ class TypedPallasCall:
             _union.remember(self.field, out_avals, out, params["out_avals"], widened)
         return out
 
-    def _check_annotations(self, params: dict[str, Any], out_avals: Sequence[Any],
+    def _check_annotations(self, reg: Registration, params: dict[str, Any], out_avals: Sequence[Any],
                            derived: Sequence[frozenset[str]], unannotated: dict[int, Any]) -> dict[int, Any]:
-        """Under inference, an out_shape annotated by hand that claims an output
-        replicated over an axis the body shows it depends on is widened to the
-        union (see ``_union``): JAX alone would believe the annotation, and the
-        gradient (or out_specs) would silently be wrong."""
-        aliased = {int(o): int(i) for i, o in params.get("input_output_aliases") or ()}
+        """An out_shape annotated by hand (or copied from an operand's type, as
+        ``jax.ShapeDtypeStruct.like`` does) that claims an output replicated over
+        an axis its rule (derived from the body, or declared) types it varying
+        over is widened to the union (see ``_union``): JAX alone would believe the
+        annotation, and the gradient (or out_specs) would silently be wrong."""
         kept = [i not in unannotated for i in range(len(out_avals))]
+        if not any(kept):  # every output typed by the rule: nothing to compare
+            return {}
+        aliased = {int(o): int(i) for i, o in params.get("input_output_aliases") or ()}
         name = _kernels.kernel_name_from_params(params)
         return _union.widen(self.field, f"Pallas kernel {name!r}", _kernels.site_text(params), out_avals,
-                            derived, kept, aliased)
+                            derived, kept, aliased, rule=_union.rule_text(reg))
 
     def _interpret_lowering(self, original: Callable[..., Any]) -> Callable[..., Any]:
         field = self.field
