@@ -24,14 +24,17 @@ def caller_module() -> str | None:
 
 
 def jax_frame() -> FrameType | None:
-    """The innermost running frame outside reprules and outside generator
+    """The innermost running frame of JAX's own code outside generator
     expressions: the JAX function whose call reached a hook (``pallas_call``'s
     ``wrapped`` converts its out_shape leaves in a generator expression, and
-    binds ``pallas_call_p`` itself)."""
+    binds ``pallas_call_p`` itself). Frames of reprules and of anything else
+    between JAX and the hook (a profiler that wrapped ``pallas_call_p.bind``
+    after reprules) are skipped: both hooks of one call must find the same frame."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_globals.get("__name__")
-        if not (isinstance(name, str) and name.startswith("reprules.")) and frame.f_code.co_name != "<genexpr>":
+        if (isinstance(name, str) and (name == "jax" or name.startswith("jax."))
+                and frame.f_code.co_name != "<genexpr>"):
             return frame
         frame = frame.f_back
     return None
