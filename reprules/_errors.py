@@ -11,6 +11,8 @@ import difflib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from reprules._version import version_tuple
+
 
 class ReprulesError(Exception):
     """Base class of every error raised by reprules."""
@@ -115,10 +117,7 @@ def missing_rule_message(
 def _cast_up(value: str, axes: tuple[str, ...], jax_version: str) -> str:
     """How to cast ``value`` up to vary over ``axes`` on this JAX: ``jax.lax.pcast`` from
     0.8 (``pvary`` deprecated from 0.9), ``jax.lax.pvary`` on 0.6 - 0.7, which have no pcast."""
-    try:
-        old = tuple(int(p) for p in jax_version.split(".")[:2]) < (0, 8)
-    except ValueError:
-        old = False
+    old = version_tuple(jax_version)[:2] < (0, 8)
     shown = repr(axes) if axes else "axes"
     return f"jax.lax.pvary({value}, {shown})" if old else f"jax.lax.pcast({value}, {shown}, to='varying')"
 

@@ -15,8 +15,8 @@ from reprules._mode_state import (
     strict_on, verifying,
 )
 
-__all__ = ["DORMANT_ENV", "INFER_ENV", "STRICT_ENV", "VERIFY_ENV", "dormant", "inference", "inferring", "inferring_by_default", "strict",
-           "strict_on", "verify", "verifying"]
+__all__ = ["DORMANT_ENV", "INFER_ENV", "STRICT_ENV", "VERIFY_ENV", "dormant", "inference", "inferring",
+           "inferring_by_default", "strict", "strict_on", "verify", "verifying"]
 
 
 def _retrace() -> None:

@@ -271,10 +271,9 @@ def tpu_on_cpu(chip: str = "v5e", cores: int = 1) -> Iterator[None]:
 
     from reprules._shim import _jax  # lazy: imports JAX
 
-    info = _jax.tpu_info_module()
     chips = getattr(pltpu, "ChipVersion", None)
     describe = getattr(pltpu, "get_tpu_info_for_chip", None)
-    if info is None or chips is None or describe is None:
+    if _jax.tpu_info_module() is None or chips is None or describe is None:
         raise ReprulesError(
             f"tpu_on_cpu({chip!r}): JAX {jax.__version__} cannot describe a TPU for the CPU device.\n"
             "Why: JAX keeps TPU descriptions by device kind only from 0.9 on.\n"
@@ -287,23 +286,8 @@ def tpu_on_cpu(chip: str = "v5e", cores: int = 1) -> Iterator[None]:
             f"tpu_on_cpu({chip!r}): JAX {jax.__version__} knows no such TPU.\n"
             "Why: the chip names JAX's pltpu.ChipVersion.\n"
             f"Fix: one of {', '.join(repr(k) for k in known)}.")
-    registry = info.registry
-    before = registry.get("cpu")
-    registry["cpu"] = lambda: describe(version, cores)
-
-    def forget() -> None:  # get_tpu_info() caches its answer on some versions
-        getattr(info.get_tpu_info, "cache_clear", lambda: None)()
-
-    forget()
-    try:
-        with pltpu.force_tpu_interpret_mode():
-            yield
-    finally:
-        if before is None:
-            registry.pop("cpu", None)
-        else:
-            registry["cpu"] = before
-        forget()
+    with _jax.cpu_tpu_info(lambda: describe(version, cores)), pltpu.force_tpu_interpret_mode():
+        yield
 
 
 def shard_map(f: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any,

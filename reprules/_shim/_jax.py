@@ -8,9 +8,10 @@ them). ``../shared/JAX_INTERNALS.md`` maps what lives where, per release.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -24,7 +25,7 @@ from jax._src.state.types import AbstractRef
 from reprules._version import version_tuple as _parse
 
 __all__ = ["JAX_VERSION", "AbstractRef", "backends_started", "api_util", "config", "core", "ffi_call_p", "lu", "mesh_lib", "module",
-           "pallas_call_p", "pe", "primitive", "source_info_util", "tpu_info_module", "version_tuple"]
+           "cpu_tpu_info", "pallas_call_p", "pe", "primitive", "source_info_util", "tpu_info_module", "version_tuple"]
 
 JAX_VERSION: str = jax.__version__
 
@@ -87,6 +88,27 @@ def tpu_info_module() -> Any:
         if isinstance(getattr(found, "registry", None), dict):
             return found
     return None
+
+
+@contextlib.contextmanager
+def cpu_tpu_info(describe: Callable[[], Any]) -> Iterator[None]:
+    """Inside, JAX's ``get_tpu_info()`` answers ``describe()`` for the CPU device kind
+    (where it raises "Unsupported TPU device kind: cpu"); undone on exit. Needs
+    :func:`tpu_info_module` (JAX 0.9+)."""
+    info = tpu_info_module()
+    registry = info.registry
+    before = registry.get("cpu")
+    forget = getattr(info.get_tpu_info, "cache_clear", lambda: None)  # it caches on some versions
+    registry["cpu"] = describe
+    forget()
+    try:
+        yield
+    finally:
+        if before is None:
+            registry.pop("cpu", None)
+        else:
+            registry["cpu"] = before
+        forget()
 
 
 def backends_started() -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from reprules import _errors
@@ -46,20 +46,30 @@ def rule_text(reg: Any) -> str | None:
     return f"{reg.rule!r} (registered from {reg.source})"
 
 
-def widen(field: TypeField, kernel: str, site: str, out_avals: Sequence[Any],
-          derived: Sequence[frozenset[str]], kept: Sequence[bool], aliased: dict[int, int],
-          can_widen: bool = True, rule: str | None = None) -> dict[int, Any]:
+Subject = tuple[str, str, str | None]
+"""``(kernel, site, rule)`` for messages: the kernel as messages name it ("Pallas kernel 'k'"),
+where it is (the warn-once key), and :func:`rule_text` of its registration."""
+
+
+def widen(field: TypeField, out_avals: Sequence[Any], derived: Sequence[frozenset[str]],
+          kept: Sequence[bool], aliased: dict[int, int], subject: Callable[[], Subject],
+          can_widen: bool = True) -> dict[int, Any]:
     """``{output index: type}`` for each kept (hand-annotated) output that the
-    body (or, with ``rule``, the kernel's declared rule) needs to vary over more
-    axes than its annotation says: the union. Raises :class:`reprules.RuleError`
-    instead under ``reprules.strict()``, for an aliased output, or where the
-    caller cannot retype (``can_widen``)."""
+    body (or the kernel's declared rule) needs to vary over more axes than its
+    annotation says: the union. Raises :class:`reprules.RuleError` instead under
+    ``reprules.strict()``, for an aliased output, or where the caller cannot
+    retype (``can_widen``). ``subject`` is called only when an output is short of
+    axes: this runs at every call of a registered kernel, where that is rare."""
     widened: dict[int, Any] = {}
+    named: Subject | None = None
     for i, (aval, needed, keep) in enumerate(zip(out_avals, derived, kept)):
         have = field.varying(aval)
         missing = needed - have
         if not (keep and missing):
             continue
+        if named is None:
+            named = subject()
+        kernel, site, rule = named
         if strict_on() or i in aliased or not can_widen:
             raise _errors.RuleError(_errors.annotation_message(
                 kernel, i, missing, needed, manual_axes(), _jax.JAX_VERSION, aliased.get(i), rule=rule))
@@ -124,11 +134,6 @@ class _Widened:
                 index = next((k for k, v in enumerate(eqn.outvars) if v is var), None)
                 return call[1].get(index, frozenset()) if index is not None else frozenset()
         return frozenset()
-
-    def clear(self) -> None:
-        with self._lock:
-            self._calls.clear()
-            self._vars.clear()
 
 
 widened_values = _Widened()

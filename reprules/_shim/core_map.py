@@ -486,8 +486,8 @@ class _Hooks:
         it varying over is widened to the union (see ``_union``), or refused where
         it cannot be."""
         aliased = {int(o): int(i) for i, o in dict(params.get("input_output_aliases") or {}).items()}
-        return _union.widen(self.field, f"pl.kernel (or pl.core_map) body {reg.name!r}", reg.where or "",
-                            out_avals, derived, kept, aliased, can_widen, rule=_union.rule_text(reg))
+        return _union.widen(self.field, out_avals, derived, kept, aliased, lambda: (
+            f"pl.kernel (or pl.core_map) body {reg.name!r}", reg.where or "", _union.rule_text(reg)), can_widen)
 
     def _agreed(self, registered: list[tuple[Any, Registration]], num_bodies: int,
                 in_vary: tuple[frozenset[str], ...], num_out: int) -> Decision:

@@ -315,9 +315,12 @@ class TypedPallasCall:
         if not any(kept):  # every output typed by the rule: nothing to compare
             return {}
         aliased = {int(o): int(i) for i, o in params.get("input_output_aliases") or ()}
-        name = _kernels.kernel_name_from_params(params)
-        return _union.widen(self.field, f"Pallas kernel {name!r}", _kernels.site_text(params), out_avals,
-                            derived, kept, aliased, rule=_union.rule_text(reg))
+
+        def subject() -> _union.Subject:
+            name = _kernels.kernel_name_from_params(params)
+            return f"Pallas kernel {name!r}", _kernels.site_text(params), _union.rule_text(reg)
+
+        return _union.widen(self.field, out_avals, derived, kept, aliased, subject)
 
     def _interpret_lowering(self, original: Callable[..., Any]) -> Callable[..., Any]:
         field = self.field
