@@ -127,3 +127,24 @@ def test_builtin_pack_makes_jax_layer_norm_work_with_only_reprules_installed(tmp
     axes, source = out.splitlines()[:2]
     assert axes == "[('data',), ('data',)] True"
     assert source == "pack reprules._builtin_packs.jax_pallas_ops:layer_norm"
+
+
+def test_qwix_pack_says_where_to_look_when_qwix_moves_pallas_call():
+    """The qwix pack registers the module that defines ``qwix.pallas.pallas_call``; a
+    qwix that no longer defines it there gets a LookupError (reported as a PackWarning
+    by the loader) saying what happened, why, and how to register the kernels meanwhile."""
+    import types
+
+    import pytest
+
+    from reprules._builtin_packs import qwix
+
+    moved = types.ModuleType("qwix.pallas")
+    moved.pallas_call = len  # a callable defined outside qwix
+    with pytest.raises(LookupError, match=r"(?s)qwix\.pallas has no pallas_call defined in qwix \(found "
+                       r"<built-in function len>\): qwix moved it.*\nWhy: qwix hands JAX its own lambda.*"
+                       r"\nFix: upgrade reprules; until then register them yourself with "
+                       r"reprules\.replication_rule\(reprules\.rules\.inferred\(\)\)\(reprules\.kernels_in\("):
+        qwix.qwix(moved)
+    with pytest.raises(LookupError, match=r"found None"):
+        qwix.qwix(types.ModuleType("qwix.pallas"))
