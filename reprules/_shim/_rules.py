@@ -18,10 +18,11 @@ from typing import Any
 import jax
 
 from reprules import _mode_state, _registry
-from reprules._errors import RegistrationError, UnsupportedJaxError
+from reprules._decide import decide_call
+from reprules._errors import RegistrationError, ReprulesError, RuleError, UnsupportedJaxError, hidden_mesh_message
 from reprules._registry import FfiTarget, KernelName, KernelPackage, Registration, lookup
-from reprules._shim import _bodies, _jax, _kernels, infer
-from reprules.rules import RuleContext
+from reprules._shim import _bodies, _jax, _kernels, _types, infer
+from reprules.rules import Decision, RuleContext, VaryingSet
 
 
 def jaxpr_calls_registered(jaxpr: Any) -> bool:
@@ -240,6 +241,39 @@ def rule_context(reg: Registration, mesh_axes: tuple[str, ...], num_inputs: int,
         num_outputs=num_outputs,
         jax_version=_jax.JAX_VERSION,
     )
+
+
+def decide_here(reg: Registration, in_vary: tuple[VaryingSet, ...], num_outputs: int,
+                num_inputs: int | None = None) -> tuple[Decision, tuple[str, ...]] | None:
+    """The decision for one call of ``reg``'s kernel in the checked ``shard_map``
+    being traced, and the manual axes it was made over; None outside one.
+
+    Where code around the call hid the shard_map's manual axes
+    (:func:`_types.hidden_axes`), the rule is asked over the axes known to be
+    manual and over every axis in scope: one answer for both is the answer
+    whatever the shard_map's axes are; two answers are refused."""
+    num_in = len(in_vary) if num_inputs is None else num_inputs
+
+    def over(axes: tuple[str, ...]) -> Decision:
+        return decide_call(reg, in_vary, axes, num_outputs, lambda: rule_context(reg, axes, num_in, num_outputs),
+                           num_in)
+
+    hidden = _types.hidden_axes(in_vary)
+    if hidden is None:
+        manual = _types.manual_axes()
+        return (over(manual), manual) if manual else None
+    at_scope = over(hidden.in_scope)  # the widest: a rule's own error is raised as it is
+    try:
+        at_known: Decision | str = over(hidden.known)
+    except ReprulesError as err:
+        at_known = f"an error ({str(err).splitlines()[0]})"
+    if at_known != at_scope:
+        def text(d: Decision | str) -> str:
+            return d if isinstance(d, str) else f"outputs varying over {[sorted(v) for v in d.outputs]}"
+        raise RuleError(hidden_mesh_message(
+            f"kernel {reg.name!r}", repr(reg.rule), hidden.known, hidden.in_scope, text(at_known), text(at_scope),
+            _jax.JAX_VERSION))
+    return at_scope, hidden.known
 
 
 def pallas_opaque() -> Opaque:

@@ -13,10 +13,12 @@ a checked ``shard_map``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -65,7 +67,13 @@ def _mesh_sharding(aval: Any, varying: frozenset[str]) -> dict[str, Any]:
     if not varying or (mesh is not None and not getattr(mesh, "empty", False)):
         return {}
     get_cur_mesh_sharding = getattr(core, "get_cur_mesh_sharding", None)
-    return {"sharding": get_cur_mesh_sharding()} if get_cur_mesh_sharding else {}
+    if get_cur_mesh_sharding is None:
+        return {}
+    hidden = _hidden_call.get()
+    if hidden is not None and hidden[1] is not None:  # the shard_map's mesh, not the one hiding it
+        with mesh_lib.use_abstract_mesh(hidden[1]):
+            return {"sharding": get_cur_mesh_sharding()}
+    return {"sharding": get_cur_mesh_sharding()}
 
 
 def checking() -> bool:
@@ -73,14 +81,70 @@ def checking() -> bool:
     return bool(config._check_vma.value)
 
 
+# Where code around a call hid the shard_map's manual axes (see hidden_axes):
+# those axes, and the shard_map's abstract mesh as the inputs' types carry it.
+_hidden_call: contextvars.ContextVar[tuple[tuple[str, ...], Any] | None] = contextvars.ContextVar(
+    "reprules_hidden_call", default=None)
+
+
 def manual_axes() -> tuple[str, ...]:
     """The manual axes of the innermost ``shard_map`` being traced (vma and mat eras)."""
-    return tuple(mesh_lib.get_abstract_mesh().manual_axes)
+    hidden = _hidden_call.get()
+    return hidden[0] if hidden is not None else tuple(mesh_lib.get_abstract_mesh().manual_axes)
+
+
+def in_checked_shard_map() -> bool:
+    """Whether a checked ``shard_map`` is being traced here: its abstract mesh
+    names manual axes, or code inside it hid them (:func:`hidden_axes`)."""
+    return checking() and bool(mesh_lib.get_abstract_mesh().manual_axes or core.get_axis_env().axis_sizes)
+
+
+class HiddenAxes(NamedTuple):
+    """The manual axes of a call whose abstract mesh does not name them."""
+
+    known: tuple[str, ...]  # manual for sure: the abstract mesh's, and every axis an input varies over
+    in_scope: tuple[str, ...]  # possibly manual: every named axis in scope (vmap's included)
+
+
+def hidden_axes(in_vary: Sequence[frozenset[str]]) -> HiddenAxes | None:
+    """Where code inside a checked ``shard_map`` replaced the abstract mesh
+    (MaxText's kernels run under ``jax.sharding.use_abstract_mesh(AbstractMesh((), ()))``
+    on CPU), the mesh no longer names the manual axes the values still vary
+    over: a rule decided over it would type every output replicated. Returns
+    what can still be known of them, or None where the mesh names every axis
+    an input varies over (the rule then sees exactly the shard_map's axes)."""
+    mesh = tuple(mesh_lib.get_abstract_mesh().manual_axes)
+    seen = frozenset().union(*in_vary)
+    if mesh and seen <= frozenset(mesh):
+        return None
+    in_scope = tuple(dict.fromkeys((*mesh, *core.get_axis_env().axis_sizes)))
+    if not in_scope:  # no named axis at all: not inside a shard_map
+        return None
+    known = tuple(a for a in in_scope if a in seen or a in mesh) + tuple(sorted(seen - frozenset(in_scope)))
+    return HiddenAxes(known, tuple(dict.fromkeys((*known, *in_scope))))
+
+
+@contextlib.contextmanager
+def call_axes(axes: tuple[str, ...], in_avals: Sequence[Any]) -> Iterator[None]:
+    """:func:`manual_axes` is ``axes`` inside, and a varying output is typed on
+    the inputs' mesh: a call whose abstract mesh hides its manual axes
+    (:func:`hidden_axes`). Elsewhere (``axes`` are the mesh's) nothing changes."""
+    if axes == tuple(mesh_lib.get_abstract_mesh().manual_axes):
+        yield
+        return
+    meshes = (getattr(getattr(a, "sharding", None), "mesh", None) for a in in_avals)
+    mesh = next((m for m in meshes if m is not None and not getattr(m, "empty", True)), None)
+    token = _hidden_call.set((axes, mesh))
+    try:
+        yield
+    finally:
+        _hidden_call.reset(token)
 
 
 def cast_up(x: Any, axes: frozenset[str]) -> Any:
     # core.pvary is what jax.lax.pvary (0.6 - 0.9) and pcast(to="varying") use.
-    return core.pvary(x, tuple(a for a in manual_axes() if a in axes))
+    with _shard_map_mesh():
+        return core.pvary(x, tuple(a for a in manual_axes() if a in axes))
 
 
 def cast_up_tuple(x: Any, axes: tuple[str, ...]) -> Any:
@@ -96,7 +160,21 @@ def cast_inputs(args: Sequence[Any], now: Sequence[frozenset[str]],
 
 
 def psum(x: Any, axes: frozenset[str]) -> Any:
-    return jax.lax.psum(x, tuple(a for a in manual_axes() if a in axes))
+    with _shard_map_mesh():
+        return jax.lax.psum(x, tuple(a for a in manual_axes() if a in axes))
+
+
+@contextlib.contextmanager
+def _shard_map_mesh() -> Iterator[None]:
+    """Inside :func:`call_axes` of a hidden mesh, the shard_map's: JAX types a
+    collective's result on the current abstract mesh (0.8 - 0.9 ``pvary`` fails
+    on one that names no manual axes)."""
+    hidden = _hidden_call.get()
+    if hidden is None or hidden[1] is None:
+        yield
+        return
+    with mesh_lib.use_abstract_mesh(hidden[1]):
+        yield
 
 
 class MatField(TypeField):

@@ -65,12 +65,11 @@ from typing import Any
 import jax
 
 from reprules import _errors, _mode_state
-from reprules._decide import decide
 from reprules._registry import Registration, kernel_name, lookup
-from reprules._shim import _bodies, _frames, _jax, _kernel_inference, _kernels, _rules, _union, _verify, infer
+from reprules._shim import _bodies, _frames, _jax, _kernel_inference, _kernels, _rules, _types, _union, _verify, infer
 from reprules._shim._patches import Patches
 from reprules._shim._rules import kernel_registration_of
-from reprules._shim._types import TypeField, cast_up, checking, manual_axes
+from reprules._shim._types import TypeField, call_axes, cast_up, checking, in_checked_shard_map, manual_axes
 from reprules.rules import Decision
 
 # --- the hooks ------------------------------------------------------------------------
@@ -112,6 +111,8 @@ class _Activation:
     reg: Registration
     decision: Decision
     out_leaves: list[Any]
+    manual: tuple[str, ...]  # the manual axes it was decided over (see _types.hidden_axes)
+    in_avals: list[Any]
     next_in: int = 0
     next_out: int = 0
 
@@ -159,9 +160,6 @@ class _Hooks:
 
     # -- shared --------------------------------------------------------------------
 
-    def _context(self, reg: Registration, num_in: int, num_out: int) -> Any:
-        return _rules.rule_context(reg, manual_axes(), num_in, num_out)
-
     def _in_varying(self, leaves: Sequence[Any]) -> tuple[frozenset[str], ...]:
         out = []
         for leaf in leaves:
@@ -187,7 +185,7 @@ class _Hooks:
             else:
                 while wrapper is not None and wrapper.f_code is not codes.kernel_wrapper:
                     wrapper = wrapper.f_back
-            if wrapper is None or wrapper.f_code is not codes.kernel_wrapper or not manual_axes():
+            if wrapper is None or wrapper.f_code is not codes.kernel_wrapper or not in_checked_shard_map():
                 return original(init_val, *args, **kwargs)
             act = self._activation(wrapper)
             if act is None:
@@ -204,7 +202,8 @@ class _Hooks:
             # it outside: a Ref cannot be cast (pvary refuses one), and the rule's output
             # types do not need it to be (the output refs carry them).
             if target - now and not _kernel_inference.is_ref(init_val):
-                init_val = cast_up(init_val, target - now)
+                with call_axes(act.manual, act.in_avals):
+                    init_val = cast_up(init_val, target - now)
             return original(init_val, *args, **kwargs)
 
         return new_ref
@@ -253,9 +252,14 @@ class _Hooks:
                     raise self._refusal(local, found)
                 return None
             reg = found
-        decision = decide(reg, self._context(reg, len(in_vary), len(out_leaves)), in_vary)
+        decided = _rules.decide_here(reg, in_vary, len(out_leaves))
+        if decided is None:
+            return None
+        if any(decided[0].outputs) and _types.hidden_axes(in_vary) is not None:
+            raise _errors.RuleError(_errors.hidden_mesh_core_map_message(
+                reg.name, decided[0].outputs, decided[1], _jax.JAX_VERSION))
         _kernels.note_registered_call()
-        act = _Activation(wrapper, reg, decision, out_leaves)
+        act = _Activation(wrapper, reg, decided[0], out_leaves, decided[1], [jax.typeof(x) for x in operands])
         if acts:  # left by calls that raised before their core_map: dropped once finished
             acts[:] = [a for a, live in zip(acts, _frames.running([a.frame for a in acts])) if live]
         acts.append(act)
@@ -275,7 +279,7 @@ class _Hooks:
             if outer is not None and codes.kernel_wrapper is not None and outer.f_code is codes.kernel_wrapper:
                 return self._kernel_core_map(original, outer, args, params)
             reg = lookup(_frames.frame_locals(wrapped).get("f"))  # pl.core_map called directly
-            if reg is not None and checking() and manual_axes():
+            if reg is not None and in_checked_shard_map():
                 raise _errors.RuleError(_errors.core_map_rule_message(reg.where, repr(reg.rule), reg.name, manual_axes(), _jax.JAX_VERSION))
             return original(*args, **params)
 
@@ -393,7 +397,7 @@ class _Hooks:
                 body = _discharging.get()
                 if body is not None:  # 0.9: a registered body's core_map, discharged
                     _bodies.remember(params.get("jaxprs", ()), body)
-                elif _discharging_inferred.get() and checking() and manual_axes():
+                elif _discharging_inferred.get() and in_checked_shard_map():
                     self._check_discharged(params, args)  # 0.9: one without a rule, under inference
                 return original(*args, **params)  # a re-bind (discharge, vmap, lowering)
             local = _frames.frame_locals(wrapper)
@@ -401,7 +405,7 @@ class _Hooks:
             outer = wrapper.f_back
             if outer is not None and outer.f_code is codes.core_map_wrapped:  # 0.11+: pl.core_map
                 reg = next((r for r in map(lookup, fns) if r is not None), None)
-                if reg is not None and checking() and manual_axes():
+                if reg is not None and in_checked_shard_map():
                     raise _errors.RuleError(_errors.core_map_rule_message(reg.where, repr(reg.rule), reg.name, manual_axes(), _jax.JAX_VERSION))
                 return original(*args, **params)
             if len(fns) == len(params.get("jaxprs", ())):
@@ -410,7 +414,7 @@ class _Hooks:
             regs = [(fn, lookup(fn)) for fn in fns]
             registered = [(fn, reg) for fn, reg in regs if reg is not None]
             out_avals = tuple(params.get("out_avals", ()))
-            if not (checking() and manual_axes()):
+            if not in_checked_shard_map():
                 return original(*args, **params)
             made = _outputs_of(local.get("flat_out_avals"), len(out_avals))
             num_user = len(local.get("flat_args", args))
@@ -436,33 +440,40 @@ class _Hooks:
                 num_user = len(args)  # a derived rule is given every operand, captured ones too
             user, rest = args[:num_user], args[num_user:]
             in_vary = self._in_varying(user)
-            decision = self._agreed(registered, len(fns), in_vary, len(out_avals))
-            reg = registered[0][1]
-            # An annotated output keeps its annotation only where that claims no fewer
-            # axes than the rule (derived or declared): see _union.
-            kept = [h or (not let and bool(self.field.varying(a)))
-                    for a, h, let in zip(out_avals, made.honoured, made.let_through)]
-            widened = self._check_annotations(reg, params, out_avals, decision.outputs, kept)
-            cast = list(user)
-            if decision.inputs is not None:
-                for i, (x, now, target) in enumerate(zip(user, in_vary, decision.inputs)):
-                    if target - now and not _kernel_inference.is_ref(x):
-                        cast[i] = cast_up(x, target - now)
-            # Typed by the rule unless the user's annotation made the type. For a kernel
-            # object built before reprules activated, only a varying type shows one.
-            typed = tuple(
-                widened.get(i, a) if honoured or (not let and self.field.varying(a)) else self.field.retype(a, v)
-                for i, (a, v, honoured, let) in enumerate(
-                    zip(out_avals, decision.outputs, made.honoured, made.let_through))
-            )
-            with _kernels.tracing(reg):
-                out = original(*cast, *rest, **{**params, "out_avals": typed})
-            _verify.check_outputs(self.field, reg, list(out))
-            if widened:  # for a pcast of these outputs to varying (see pcast.py)
-                _union.remember(self.field, typed, out, out_avals, widened)
-            return out
+            decision, manual = self._agreed(registered, len(fns), in_vary, len(out_avals))
+            with call_axes(manual, [jax.typeof(x) for x in user]):
+                return self._mpmd_bind_decided(original, registered[0][1], params, made, user, rest, in_vary,
+                                               decision)
 
         return bind
+
+    def _mpmd_bind_decided(self, original: Callable[..., Any], reg: Registration, params: dict[str, Any],
+                           made: _Outputs, user: Sequence[Any], rest: Sequence[Any],
+                           in_vary: tuple[frozenset[str], ...], decision: Decision) -> Any:
+        out_avals = tuple(params.get("out_avals", ()))
+        # An annotated output keeps its annotation only where that claims no fewer
+        # axes than the rule (derived or declared): see _union.
+        kept = [h or (not let and bool(self.field.varying(a)))
+                for a, h, let in zip(out_avals, made.honoured, made.let_through)]
+        widened = self._check_annotations(reg, params, out_avals, decision.outputs, kept)
+        cast = list(user)
+        if decision.inputs is not None:
+            for i, (x, now, target) in enumerate(zip(user, in_vary, decision.inputs)):
+                if target - now and not _kernel_inference.is_ref(x):
+                    cast[i] = cast_up(x, target - now)
+        # Typed by the rule unless the user's annotation made the type. For a kernel
+        # object built before reprules activated, only a varying type shows one.
+        typed = tuple(
+            widened.get(i, a) if honoured or (not let and self.field.varying(a)) else self.field.retype(a, v)
+            for i, (a, v, honoured, let) in enumerate(
+                zip(out_avals, decision.outputs, made.honoured, made.let_through))
+        )
+        with _kernels.tracing(reg):
+            out = original(*cast, *rest, **{**params, "out_avals": typed})
+        _verify.check_outputs(self.field, reg, list(out))
+        if widened:  # for a pcast of these outputs to varying (see pcast.py)
+            _union.remember(self.field, typed, out, out_avals, widened)
+        return out
 
     def _check_discharged(self, params: dict[str, Any], args: Sequence[Any]) -> None:
         """0.9: the ``mpmd_map`` JAX discharges a rule-less ``core_map`` into, under
@@ -474,9 +485,12 @@ class _Hooks:
         if not isinstance(found, Registration):
             return
         out_avals = tuple(params.get("out_avals", ()))
-        decision = decide(found, self._context(found, len(args), len(out_avals)), self._in_varying(args))
-        self._check_annotations(found, params, out_avals, decision.outputs, [True] * len(out_avals),
-                                can_widen=False)  # discharged: JAX's types stand, so refuse
+        decided = _rules.decide_here(found, self._in_varying(args), len(out_avals))
+        if decided is None:
+            return
+        with call_axes(decided[1], [jax.typeof(x) for x in args]):
+            self._check_annotations(found, params, out_avals, decided[0].outputs, [True] * len(out_avals),
+                                    can_widen=False)  # discharged: JAX's types stand, so refuse
 
     def _check_annotations(self, reg: Registration, params: dict[str, Any], out_avals: Sequence[Any],
                            derived: Sequence[frozenset[str]], kept: Sequence[bool],
@@ -490,17 +504,19 @@ class _Hooks:
             f"pl.kernel (or pl.core_map) body {reg.name!r}", reg.where or "", _union.rule_text(reg)), can_widen)
 
     def _agreed(self, registered: list[tuple[Any, Registration]], num_bodies: int,
-                in_vary: tuple[frozenset[str], ...], num_out: int) -> Decision:
-        """The decision of every registered body, which must agree (MPMD)."""
-        decisions = [
-            (reg, decide(reg, self._context(reg, len(in_vary), num_out), in_vary)) for _, reg in registered
-        ]
-        first = decisions[0][1]
-        if any(d != first for _, d in decisions[1:]):
-            answers = [(reg.where, repr(reg.rule), d.outputs, d.inputs) for reg, d in decisions]
+                in_vary: tuple[frozenset[str], ...], num_out: int) -> tuple[Decision, tuple[str, ...]]:
+        """The decision of every registered body, which must agree (MPMD), and the axes it was made over."""
+        decisions = []
+        for _, reg in registered:
+            decided = _rules.decide_here(reg, in_vary, num_out)
+            assert decided is not None  # asked only in a checked shard_map
+            decisions.append((reg, *decided))
+        _, first, manual = decisions[0]
+        if any(d != first for _, d, _ in decisions[1:]):
+            answers = [(reg.where, repr(reg.rule), d.outputs, d.inputs) for reg, d, _ in decisions]
             raise _errors.RuleError(
-                _errors.mpmd_disagreement_message(answers, num_bodies, manual_axes(), _jax.JAX_VERSION))
-        return first
+                _errors.mpmd_disagreement_message(answers, num_bodies, manual, _jax.JAX_VERSION))
+        return first, manual
 
 
 def _forget_outputs(key: int, avals: tuple[Any, ...]) -> None:

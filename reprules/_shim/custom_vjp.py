@@ -326,8 +326,21 @@ def _fixed_cts(out: Any, taint_tree: Any, call: Call, field: TypeField) -> Any:
     ct_taints, _ = _split_logs(taint_tree, call)
     if call.primal_types is None or not isinstance(cts, (tuple, list)) or len(cts) != len(call.primal_types):
         return out
-    manual = _types.manual_axes()
+    # Where code around the call hid the shard_map's manual axes, those the
+    # cotangents and primals vary over are known to be manual (see _types.hidden_axes).
+    avals = [jax.typeof(c) for c in jax.tree_util.tree_leaves(cts) if isinstance(c, (jax.Array, core.Tracer))]
+    hidden = _types.hidden_axes([field.varying(a) for a in avals] + [
+        field.varying(t) for t in jax.tree_util.tree_leaves(call.primal_types) if isinstance(t, core.AbstractValue)])
+    manual = hidden.known if hidden is not None else _types.manual_axes()
+    with _types.call_axes(manual, avals):
+        fixed_cts = _fix_leaves(cts, ct_taints, call, field, manual)
+    return (fixed_cts, logs) if call.with_logs else fixed_cts
+
+
+def _fix_leaves(cts: Sequence[Any], ct_taints: Sequence[Any], call: Call, field: TypeField,
+                manual: tuple[str, ...]) -> tuple[Any, ...]:
     fixed: list[Any] = []
+    assert call.primal_types is not None
     for index, (ct, taint, types) in enumerate(zip(cts, ct_taints, call.primal_types)):
         if ct is None:
             fixed.append(None)
@@ -338,8 +351,7 @@ def _fixed_cts(out: Any, taint_tree: Any, call: Call, field: TypeField) -> Any:
                 lambda c, t, ty, i=index: _fix_leaf(c, t, ty, i, call, field, manual),
                 ct, taint, types, is_leaf=lambda x: x is None,
             ))
-    fixed_cts = tuple(fixed)
-    return (fixed_cts, logs) if call.with_logs else fixed_cts
+    return tuple(fixed)
 
 
 def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: int, call: Call,

@@ -38,11 +38,11 @@ from typing import Any
 import jax
 
 from reprules import _errors
-from reprules._decide import decide_call
 from reprules._registry import Registration
+from reprules.rules import Decision
 from reprules._shim import _frames, _jax, _kernels, _pallas_hooks, _rules, _union, _verify, infer
 from reprules._shim._patches import Patches
-from reprules._shim._types import TypeField, cast_inputs, checking, manual_axes
+from reprules._shim._types import TypeField, call_axes, cast_inputs, checking, manual_axes
 
 
 class _Unannotated(threading.local):
@@ -275,17 +275,23 @@ class TypedPallasCall:
                         site=_kernels.site_text(params),
                     )
                 ) from refusal
-        manual = manual_axes() if direct and checking() else ()
-        if not manual:
+        decided = None
+        if direct and checking():
+            first, _ = _kernels.pallas_layout(params, len(args))
+            first = infer.rule_operands_start(reg, first)
+            out_avals = tuple(params["out_avals"])
+            in_vary = tuple([self.field.varying(jax.typeof(a)) for a in args[first:]])
+            decided = _rules.decide_here(reg, in_vary, len(out_avals))
+        if decided is None:
             # Outside a checked shard_map, or a JVP/vmap of a call typed already.
             return _pallas_hooks.traced_bind(bind, args, params, reg, direct)
-        first, _ = _kernels.pallas_layout(params, len(args))
-        first = infer.rule_operands_start(reg, first)
-        out_avals = tuple(params["out_avals"])
-        varying = self.field.varying
-        in_vary = tuple([varying(jax.typeof(a)) for a in args[first:]])
-        decision = decide_call(reg, in_vary, manual, len(out_avals),
-                               lambda: _rules.rule_context(reg, manual, len(in_vary), len(out_avals)))
+        decision, manual = decided
+        with call_axes(manual, [jax.typeof(a) for a in args[first:]]):
+            return self._bind_decided(bind, args, params, reg, first, in_vary, out_avals, decision, unannotated)
+
+    def _bind_decided(self, bind: Callable[..., Any], args: tuple[Any, ...], params: dict[str, Any],
+                      reg: Registration, first: int, in_vary: tuple[frozenset[str], ...],
+                      out_avals: tuple[Any, ...], decision: Decision, unannotated: dict[int, Any]) -> Any:
         # An annotated output keeps its annotation only where that claims no fewer axes
         # than the rule (derived or declared): see _union.
         widened = self._check_annotations(reg, params, out_avals, decision.outputs, unannotated)
