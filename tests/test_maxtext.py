@@ -69,23 +69,17 @@ def packs():
 
 
 @pytest.fixture
-def cpu_as_tpu(monkeypatch):
-    """TPU interpret mode on CPU, tokamax's TPU ops allowed there, and a TPU v5e
-    description for the CPU device kind (as in tests/test_tokamax.py; undone after)."""
-    from jax._src import tpu_info
-
-    monkeypatch.setitem(
-        tpu_info.registry, "cpu", lambda: pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V5E, 1)
-    )
+def cpu_as_tpu():
+    """TPU interpret mode on CPU with a TPU v5e description of the CPU device
+    (``reprules.testing.tpu_on_cpu``), tokamax's TPU ops allowed there."""
 
     @contextlib.contextmanager
     def ctx():
-        with pltpu.force_tpu_interpret_mode(), tokamax.config.cross_compile(True), warnings.catch_warnings():
+        with testing.tpu_on_cpu("v5e"), tokamax.config.cross_compile(True), warnings.catch_warnings():
             warnings.simplefilter("ignore", reprules.ReplicationWarning)  # the widened annotations
             yield
 
-    yield ctx
-    getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)()
+    return ctx
 
 
 def _compare(mesh, body, in_specs, out_spec, args, reference, argnums):
@@ -237,6 +231,46 @@ def test_ragged_gqa_decode_forward(mesh, cpu_as_tpu):
         off = jax.jit(shard_map(body, mesh, specs, KV, check=False))(*sharded)
     assert max_err(on, off) == 0.0
     assert max_err(on, reference(q, k, v, lengths)) < 1e-5
+
+
+# --- mHC: kernels called under a hidden abstract mesh ----------------------------
+def test_mhc_forward_is_exact_and_its_gradient_refused_by_jax_not_silently_wrong(mesh, cpu_as_tpu):
+    """MaxText calls each mHC kernel inside ``use_abstract_mesh(AbstractMesh((), ()))`` on
+    CPU, where the mesh names no manual axes. Before, reprules typed the kernels' outputs
+    replicated there and every checked gradient leaf was silently wrong (0.7 - 7.5
+    relative). Now the forward is exact, and the backward reaches MaxText's own
+    ``jax.vjp`` of the (replicated) folded weights with the kernel's per-shard partial
+    gradient, typed varying over ``data`` as it is: JAX refuses it (MaxText's bwd
+    assumes checking off, where the shard_map transpose adds the psum)."""
+    import itertools
+
+    from maxtext.kernels import mhc
+    from maxtext.kernels.mhc import mhc_kernels_fwd
+
+    b, s, k, d = 8, 32, 4, 128
+    shapes = dict(norm_scale=(k * d,), pre_alpha=(k * d, k), pre_bias=(k,), pre_scale=(1,), post_alpha=(k * d, k),
+                  post_bias=(k,), post_scale=(1,), res_alpha=(k * d, 24), res_bias=(24,), res_scale=(1,))
+    weights = [randn(10 + i, shape) * (0.05 if len(shape) == 2 else 0.5) + (name == "norm_scale")
+               for i, (name, shape) in enumerate(shapes.items())]
+    perms = jnp.asarray(np.eye(k)[np.array(list(itertools.permutations(range(k))))], jnp.bfloat16)
+    config = mhc.MhcKernelConfig(block_size=32, bwd_block_size=32, bwd_feature_block_size=128)
+
+    def body(x, *w):
+        layer_input, ctx = mhc_kernels_fwd.pre(x, mhc.MhcWeights(*w), perms, config=config)
+        return mhc_kernels_fwd.post((layer_input * 1.5).astype(jnp.bfloat16), ctx, config=config).astype(jnp.float32)
+
+    x = randn(0, (b, s, k, d)).astype(jnp.bfloat16)
+    specs = (P("data"),) + (P(),) * len(weights)
+    sharded = [put(a, mesh, spec) for a, spec in zip((x, *weights), specs)]
+    t = randn(9, (b, s, k, d))
+    with cpu_as_tpu():
+        on = shard_map(body, mesh, specs, P("data"))
+        off = shard_map(body, mesh, specs, P("data"), check=False)
+        assert max_err(jax.jit(on)(*sharded), jax.jit(off)(*sharded)) == 0.0
+        assert max_err(jax.jit(on)(*sharded), jax.jit(body)(x, *weights)) == 0.0
+        grad = jax.grad(lambda *a: (on(*a) * t).sum(), argnums=tuple(range(len(specs))))
+        with pytest.raises(ValueError, match=r"unexpected JAX type .* got float32\[\d+,\d+\]\{V:data\}"):
+            jax.jit(grad)(*sharded)
 
 
 # --- the packs load themselves ---------------------------------------------------
