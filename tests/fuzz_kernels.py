@@ -4,7 +4,10 @@ It writes random Pallas kernels from a small grammar (local arithmetic, loads
 with dynamic indices, ``pl.when`` / ``cond`` / ``fori_loop`` / ``while_loop``
 with data-dependent bounds, scratch carried over grid steps,
 ``input_output_aliases``, scalar prefetch read *and written*, index maps that
-read it, the TPU PRNG, ``pl.kernel`` with a captured ref), then for each:
+read it, the TPU PRNG, ``pl.kernel`` with a captured ref), called as they are
+or, from JAX 0.7, where code around the call hid the shard_map's manual axes
+(``jax.sharding.use_abstract_mesh(AbstractMesh((), ()))``, as MaxText does on
+CPU), then for each:
 
 1. runs it inside ``shard_map`` with checking **off** on inputs that differ per
    device, and keeps every device's outputs;
@@ -56,10 +59,12 @@ class Case:
     in_kinds: list[str]  # "f32" (G*R, C) block-mapped, "prefetch" int32 (S,)
     num_out: int
     uses_kernel: bool  # pl.kernel instead of pl.pallas_call
+    hidden_mesh: bool = False  # called under an abstract mesh that names no manual axes
 
     def describe(self) -> str:
+        site = ", called under use_abstract_mesh(AbstractMesh((), ()))" if self.hidden_mesh else ""
         return (f"fuzz case seed={self.seed} index={self.index} (JAX {'.'.join(map(str, JAX_VERSION))}), "
-                f"inputs sharded over {self.in_axes}\n{self.source}")
+                f"inputs sharded over {self.in_axes}{site}\n{self.source}")
 
 
 # -- the grammar ------------------------------------------------------------------
@@ -230,8 +235,24 @@ def generate(seed: int, index: int) -> Case:
     """The kernel number ``index`` of the run ``seed`` (the same on every JAX)."""
     rng = random.Random(f"{seed}:{index}")
     if FEATURES["kernel"] and rng.random() < 0.2:
-        return _generate_kernel(rng, seed, index)
-    return _generate_pallas_call(rng, seed, index)
+        case = _generate_kernel(rng, seed, index)
+    else:
+        case = _generate_pallas_call(rng, seed, index)
+    # Drawn apart, so that the kernels of a seed are the same on every JAX.
+    hidden = FEATURES["hidden_mesh"] and random.Random(f"{seed}:{index}:site").random() < 0.25
+    return dataclasses.replace(case, hidden_mesh=hidden)
+
+
+def call_site(case: Case, call: Any) -> Any:
+    """``call`` as the case calls it: as it is, or under an abstract mesh with no axes."""
+    if not case.hidden_mesh:
+        return call
+
+    def hidden(*args: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return call(*args)
+
+    return hidden
 
 
 def _axes(rng: random.Random) -> tuple[str, ...]:
@@ -397,6 +418,7 @@ def _features() -> dict[str, bool]:
         # pl.kernel over a TPU core mesh, interpreted on CPU: JAX 0.8+ (0.7 has pl.kernel,
         # but its core_map refuses interpretation inside shard_map).
         "kernel": hasattr(pl, "kernel") and JAX_VERSION >= (0, 8),
+        "hidden_mesh": hasattr(jax.sharding, "use_abstract_mesh"),  # public from 0.7
         "new_ref": hasattr(jax, "new_ref") and JAX_VERSION >= (0, 8),
         # Loops that compute: not on JAX 0.7 - 0.8, which type a loop body inside a kernel
         # apart from its carries (`c[0] + c[1]` loses the carry's varying axes), so JAX's own
@@ -482,6 +504,8 @@ def per_device(case: Case, mesh: Any, arrays: list[Any], call: Any) -> list[np.n
         call = compile_source(case.emulated)
     stacked = P(("data", "model"))
 
+    call = call_site(case, call)
+
     def body(*args: Any) -> Any:
         return [y[None] for y in call(*args)]
 
@@ -497,6 +521,7 @@ def typing(case: Case, mesh: Any, arrays: list[Any], call: Any) -> tuple[str | N
     from reprules.testing import shard_map
 
     stacked = P(("data", "model"))
+    call = call_site(case, call)
 
     def trace(out_specs: list[Any]) -> None:
         body = lambda *args: [y[None] for y in call(*args)]  # noqa: E731

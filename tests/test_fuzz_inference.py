@@ -73,6 +73,12 @@ def test_the_generator_covers_its_grammar():
         if fuzz_kernels.FEATURES[feature]:
             wanted += constructs
     assert [w for w in wanted if w not in sources] == []
+    cases = [fuzz_kernels.generate(SEED, i) for i in range(max(COUNT, 300))]
+    if fuzz_kernels.FEATURES["hidden_mesh"]:  # both call sites, both entry points
+        assert {(c.hidden_mesh, c.uses_kernel) for c in cases} >= {
+            (h, k) for h in (False, True) for k in ((False, True) if fuzz_kernels.FEATURES["kernel"] else (False,))}
+    else:
+        assert not any(c.hidden_mesh for c in cases)
 
 
 # What a kernel of each feature writes, where this JAX has the feature.

@@ -23,6 +23,8 @@ plain jnp attention), and the checked gradient has no defensive all-reduce.
   gradient gets exactly its psum over ``data``.
 * Splash attention (``make_splash_mha``, causal, vmapped over the batch as
   MaxText's attention op does) and ragged GQA decode (forward only; it has no VJP).
+* mHC (``mhc_kernels_fwd.pre`` / ``post``), whose kernels MaxText calls under an
+  abstract mesh with no axes on CPU: forward exact, gradient refused by JAX.
 
 Not run here: ``use_gmm_v2`` (JAX's TPU interpreter fails on it, checking off
 too), and the ring-of-experts routing (on CPU a jnp fallback without kernels).

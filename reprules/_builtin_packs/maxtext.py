@@ -9,9 +9,9 @@ so the ``maxtext`` pack (entry point ``maxtext``, loaded right after
 two subpackages: each call gets the rule ``reprules.inference()`` derives from
 the kernel's body, or a ``MissingRuleError`` that says why not. The other
 subpackages (``ragged``, ``mhc``, ``gather_reduce_*``, ``tokamax_splash_attention``)
-are not covered: their kernels were not run under reprules, and a kernel that
-communicates or reads its device index would go from JAX's (annotated) typing
-to inference's refusal.
+need no entry: their kernels leave ``out_shape`` unannotated, so JAX refuses
+them under checking and inference applies by default (the same rule, with or
+without a pack entry: measured), or they hold no Pallas kernel.
 
 The megablox fork does not call ``pl.pallas_call`` itself: it calls
 ``qwix.pallas.pallas_call`` (``qpl``), which hands JAX a ``lambda`` defined in
