@@ -182,3 +182,18 @@ def test_pl_kernel_where_the_mesh_is_hidden(setup, tpu_interpret):
     assert "does not name the manual axes (mesh axes {'data'} known from its inputs" in message
     assert f"JAX {jax.__version__}" in message
     assert "Fix: call the kernel outside the use_abstract_mesh block" in message and "JAX 0.10+" in message
+
+
+def test_verify_checks_a_rule_where_the_mesh_is_hidden(setup):
+    """``verify()``'s gathers and comparisons run on the shard_map's mesh there: a lying
+    ``rules.invariant("data")`` is caught, a true rule passes."""
+    from helpers import copy_kernel
+    mesh, x, _, _ = setup
+    with reprules.verify():
+        out = jax.jit(shard_map(hidden(copy), mesh, P("data"), P("data")))(x)
+    assert max_err(out, x) == 0.0
+    reprules.replication_rule(rules.invariant("data"))(copy_kernel)
+    with pytest.raises(reprules.ReplicationMismatchError, match=r"output 0 of kernel 'copy_kernel' is declared "
+                       r"replicated over mesh axis 'data' by its rule rules.invariant\('data'\)"):
+        with reprules.verify():
+            jax.jit(shard_map(hidden(copy), mesh, P("data"), P()))(x)

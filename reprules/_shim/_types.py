@@ -143,7 +143,7 @@ def call_axes(axes: tuple[str, ...], in_avals: Sequence[Any]) -> Iterator[None]:
 
 def cast_up(x: Any, axes: frozenset[str]) -> Any:
     # core.pvary is what jax.lax.pvary (0.6 - 0.9) and pcast(to="varying") use.
-    with _shard_map_mesh():
+    with shard_map_mesh():
         return core.pvary(x, tuple(a for a in manual_axes() if a in axes))
 
 
@@ -160,12 +160,12 @@ def cast_inputs(args: Sequence[Any], now: Sequence[frozenset[str]],
 
 
 def psum(x: Any, axes: frozenset[str]) -> Any:
-    with _shard_map_mesh():
+    with shard_map_mesh():
         return jax.lax.psum(x, tuple(a for a in manual_axes() if a in axes))
 
 
 @contextlib.contextmanager
-def _shard_map_mesh() -> Iterator[None]:
+def shard_map_mesh() -> Iterator[None]:
     """Inside :func:`call_axes` of a hidden mesh, the shard_map's: JAX types a
     collective's result on the current abstract mesh (0.8 - 0.9 ``pvary`` fails
     on one that names no manual axes)."""

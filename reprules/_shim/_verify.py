@@ -28,7 +28,7 @@ from reprules._errors import ReplicationMismatchError, fmt_axes
 from reprules._registry import Registration
 from reprules import _mode_state
 from reprules._shim import _jax
-from reprules._shim._types import TypeField, cast_up_tuple, manual_axes
+from reprules._shim._types import TypeField, cast_up_tuple, manual_axes, shard_map_mesh
 
 _lock = threading.Lock()
 # The largest difference seen per (kernel, output, axis) since the last take.
@@ -40,7 +40,8 @@ def check_outputs(field: TypeField, reg: Registration, outs: Sequence[Any]) -> N
     ``reg``'s kernel, each replicated over the manual axes its type says."""
     if _mode_state.verifying():
         varying = [field.varying(jax.typeof(o)) for o in outs]
-        insert_checks(reg, outs, varying, manual_axes(), cast_up_tuple)
+        with shard_map_mesh():  # the checks' own casts, where code around the call hid it
+            insert_checks(reg, outs, varying, manual_axes(), cast_up_tuple)
 
 
 def insert_checks(
