@@ -4,7 +4,9 @@
 The MoE grouped matmul (``maxtext.kernels.megablox.gmm``, what ``MoeBlock.sparse_matmul``
 calls) in its three backends and two layouts (``fsdp``: weights replicated, tokens on
 ``data``; ``ep``: experts on ``model``), splash attention (vmapped over batch as
-``attention_op.py`` does), ragged GQA decode, and the ring-of-experts token sort.
+``attention_op.py`` does), ragged GQA decode, the tokamax-derived splash attention,
+mHC (whose kernels MaxText calls under an abstract mesh with no axes on CPU), and the
+ring-of-experts token sort.
 TPU interpret mode, a TPU v5e description for the CPU device kind, tokamax's
 ``cross_compile``.
 """
@@ -109,6 +111,57 @@ def splash():
                 reference=ref, context=CONTEXT, tol=1e-4, note="causal; reference: plain jnp attention")
 
 
+def tokamax_splash():
+    import jax
+    import jax.numpy as jnp
+    from maxtext.kernels.tokamax_splash_attention import splash_attention_kernel as sak
+    from maxtext.kernels.tokamax_splash_attention import splash_attention_mask as mask_lib
+
+    B, H, S, D = 4, 2, 128, 128
+
+    def body(q, k, v):
+        cfg = sak.SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128, block_kv_dkv=128,
+                               block_kv_dkv_compute=128, block_q_dq=128, block_kv_dq=128)
+        return jax.vmap(sak.make_splash_mha_single_device(mask_lib.CausalMask((S, S)), config=cfg))(q, k, v)
+
+    def ref(q, k, v):
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1), v)
+
+    spec = _P("data", "model", None, None)
+    return Case(body, tuple(_rn(i, (B, H, S, D), 0.3) for i in range(3)), (spec,) * 3, spec, grad_argnums=(0, 1, 2),
+                reference=ref, context=CONTEXT, tol=1e-4, note="causal; reference: plain jnp attention")
+
+
+def mhc():
+    import itertools
+
+    import jax.numpy as jnp
+    import numpy as np
+    from maxtext.kernels import mhc as mhc_lib
+    from maxtext.kernels.mhc import mhc_kernels_fwd
+
+    B, S, K, D = 8, 32, 4, 128
+    shapes = dict(norm_scale=(K * D,), pre_alpha=(K * D, K), pre_bias=(K,), pre_scale=(1,), post_alpha=(K * D, K),
+                  post_bias=(K,), post_scale=(1,), res_alpha=(K * D, 24), res_bias=(24,), res_scale=(1,))
+    weights = tuple(_rn(10 + i, shape, 0.05 if len(shape) == 2 else 0.5) + (name == "norm_scale")
+                    for i, (name, shape) in enumerate(shapes.items()))
+    # A NumPy array: MaxText passes it as a custom_vjp nondiff argument, where a tracer is refused.
+    perms = np.eye(K, dtype=np.float32)[np.array(list(itertools.permutations(range(K))))].astype(jnp.bfloat16)
+    config = mhc_lib.MhcKernelConfig(block_size=32, bwd_block_size=32, bwd_feature_block_size=128)
+
+    def body(x, *w):
+        layer_input, ctx = mhc_kernels_fwd.pre(x.astype(jnp.bfloat16), mhc_lib.MhcWeights(*w),
+                                               perms, config=config)
+        out = mhc_kernels_fwd.post((layer_input * 1.5).astype(jnp.bfloat16), ctx, config=config)
+        return out.astype(jnp.float32)
+
+    return Case(body, (_rn(0, (B, S, K, D)), *weights), (_P("data"),) + (_P(),) * len(weights), _P("data"),
+                grad_argnums=tuple(range(1 + len(weights))), context=CONTEXT, tol=1e-5,
+                note="tokens over data, weights replicated; each kernel under an abstract mesh with no axes on CPU")
+
+
 def ragged_gqa():
     import jax
     import jax.numpy as jnp
@@ -173,5 +226,7 @@ CASES = {
     "megablox.gmm (megablox backend, ep)": _gmm("megablox", "ep"),
     "attention.splash_attention_kernel (mha)": splash,
     "attention.ragged_attention.ragged_gqa": ragged_gqa,
+    "tokamax_splash_attention (mha, single device)": tokamax_splash,
+    "mhc.mhc_kernels_fwd (pre, post)": mhc,
     "ragged.ragged_sort.ring_ragged_sort": ring_ragged_sort,
 }
