@@ -69,11 +69,8 @@ def _mesh_sharding(aval: Any, varying: frozenset[str]) -> dict[str, Any]:
     get_cur_mesh_sharding = getattr(core, "get_cur_mesh_sharding", None)
     if get_cur_mesh_sharding is None:
         return {}
-    hidden = _hidden_call.get()
-    if hidden is not None and hidden[1] is not None:  # the shard_map's mesh, not the one hiding it
-        with mesh_lib.use_abstract_mesh(hidden[1]):
-            return {"sharding": get_cur_mesh_sharding()}
-    return {"sharding": get_cur_mesh_sharding()}
+    with shard_map_mesh():  # the shard_map's mesh, not one that hides it
+        return {"sharding": get_cur_mesh_sharding()}
 
 
 def checking() -> bool:
@@ -124,12 +121,18 @@ def hidden_axes(in_vary: Sequence[frozenset[str]]) -> HiddenAxes | None:
     return HiddenAxes(known, tuple(dict.fromkeys((*known, *in_scope))))
 
 
+def mesh_hides(axes: tuple[str, ...]) -> bool:
+    """Whether the current abstract mesh does not name ``axes`` (a call's manual
+    axes, from :func:`hidden_axes`) as its manual axes: code around the call hid them."""
+    return axes != tuple(mesh_lib.get_abstract_mesh().manual_axes)
+
+
 @contextlib.contextmanager
 def call_axes(axes: tuple[str, ...], in_avals: Sequence[Any]) -> Iterator[None]:
     """:func:`manual_axes` is ``axes`` inside, and a varying output is typed on
     the inputs' mesh: a call whose abstract mesh hides its manual axes
     (:func:`hidden_axes`). Elsewhere (``axes`` are the mesh's) nothing changes."""
-    if axes == tuple(mesh_lib.get_abstract_mesh().manual_axes):
+    if not mesh_hides(axes):
         yield
         return
     meshes = (getattr(getattr(a, "sharding", None), "mesh", None) for a in in_avals)

@@ -255,7 +255,7 @@ class _Hooks:
         decided = _rules.decide_here(reg, in_vary, len(out_leaves))
         if decided is None:
             return None
-        if any(decided[0].outputs) and _types.hidden_axes(in_vary) is not None:
+        if any(decided[0].outputs) and _types.mesh_hides(decided[1]):
             raise _errors.RuleError(_errors.hidden_mesh_core_map_message(
                 reg.name, decided[0].outputs, decided[1], _jax.JAX_VERSION))
         _kernels.note_registered_call()

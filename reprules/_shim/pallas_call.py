@@ -280,13 +280,14 @@ class TypedPallasCall:
             first, _ = _kernels.pallas_layout(params, len(args))
             first = infer.rule_operands_start(reg, first)
             out_avals = tuple(params["out_avals"])
-            in_vary = tuple([self.field.varying(jax.typeof(a)) for a in args[first:]])
+            in_avals = [jax.typeof(a) for a in args[first:]]
+            in_vary = tuple([self.field.varying(a) for a in in_avals])
             decided = _rules.decide_here(reg, in_vary, len(out_avals))
         if decided is None:
             # Outside a checked shard_map, or a JVP/vmap of a call typed already.
             return _pallas_hooks.traced_bind(bind, args, params, reg, direct)
         decision, manual = decided
-        with call_axes(manual, [jax.typeof(a) for a in args[first:]]):
+        with call_axes(manual, in_avals):
             return self._bind_decided(bind, args, params, reg, first, in_vary, out_avals, decision, unannotated)
 
     def _bind_decided(self, bind: Callable[..., Any], args: tuple[Any, ...], params: dict[str, Any],
