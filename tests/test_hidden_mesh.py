@@ -20,8 +20,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import VARYING_OVER_DATA, copy, make_mesh, max_err, psum_axes, put, randn, shard_map
-from reprules import rules
+from helpers import VARYING_OVER_DATA, copy, count_all_reduce, make_mesh, max_err, psum_axes, put, randn, shard_map
+from reprules import rules, testing
 
 pytestmark = pytest.mark.skipif(
     not hasattr(jax.sharding, "use_abstract_mesh"),
@@ -72,6 +72,10 @@ def test_the_weight_gradient_keeps_its_psum_over_data_and_loses_the_defensive_on
     on, off = grad_of(mesh, t), grad_of(mesh, t, check=False)
     assert psum_axes(off, x, w) == [("data", "model")]
     assert psum_axes(on, x, w) == [("data",)]  # before: [("data",), ("data",)], the gradient 16x off
+    # The one all-reduce left is the needed one, in the jaxpr, StableHLO and compiled HLO alike.
+    assert count_all_reduce(on, x, w) == (1, 1, 1)
+    assert testing.collectives(off, x, w).count("all-reduce", defensive=True) == 1
+    assert testing.collectives(on, x, w).count("all-reduce", defensive=True) == 0
     assert max_err(jax.jit(on)(x, w), reference(x, t)) < 1e-5
     assert max_err(jax.jit(on)(x, w), jax.jit(off)(x, w)) < 1e-5
 
