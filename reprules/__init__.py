@@ -379,7 +379,22 @@ def _arm(pallas_call_module: object) -> None:
                       PatchWarning, stacklevel=2)
 
 
+def _arm_sound_types(jax_module: object) -> None:
+    """Types rule-less opaque calls and control flow on a varying predicate soundly
+    (JAX 0.6+), from the moment JAX is imported. Never breaks the import."""
+    from reprules import _shim  # lazy: imports JAX (imported already)
+
+    try:
+        _shim.arm_sound_types()
+    except Exception as err:  # e.g. an unsupported JAX: registering a rule says so
+        import warnings
+
+        warnings.warn(f"reprules could not install its sound types ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0]}).", PatchWarning, stacklevel=2)
+
+
 if not _modes.dormant():  # REPRULES_DORMANT=1: nothing patched until a rule is registered
+    _packs.after_import("jax", _arm_sound_types)
     _packs.after_import("jax.experimental.pallas", _arm)
 
 if _modes.inferring():  # REPRULES_INFER=1 for a whole run

@@ -197,6 +197,51 @@ def annotation_union_message(kernel: str, index: int, missing: Iterable[str], ty
     )
 
 
+def sound_type_message(kind: str, name: str, site: str, short: Iterable[str], typed: Iterable[str],
+                       mesh_axes: Iterable[str], jax_version: str, target: str = "") -> str:
+    """:class:`ReplicationWarning`: a rule-less opaque call that JAX typed replicated
+    over axes its inputs vary over, typed by the union of the inputs' axes instead."""
+    at = f" (called at {site})" if site else ""
+    typed_text, short_text = fmt_axes(typed), fmt_axes(short)
+    if target:
+        fix = (f"declare how it varies, to silence this: `from reprules import rules` and "
+               f"`reprules.replication_rule(rules.same())({target})` if it computes each output from its "
+               f"inputs' values (as typed now); `rules.invariant({sorted(short)[0]!r})` instead if it all-reduces "
+               "over that axis itself (check the choice with `with reprules.verify():`)")
+    else:  # measured on 0.6 - 0.12: pure_callback drops the varying axes of result_shape_dtypes
+        fix = ("nothing to change in your code: a JAX callback cannot say how its results vary (it ignores the "
+               "varying axes of result_shape_dtypes), so this typing is the fix; silence the warning with "
+               "`warnings.filterwarnings('ignore', category=reprules.ReplicationWarning)`")
+    return (
+        f"The {kind} {name!r}{at} has inputs varying over {typed_text}, but JAX typed its outputs replicated "
+        f"over {short_text} (mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version}).\n"
+        f"Why: it has no replication rule, and its abstract eval does not say how its outputs vary; JAX alone "
+        f"would accept out_specs that need them replicated (returning one device's block) and a gradient "
+        f"through it would miss its psum over {short_text}, silently. reprules typed every output varying "
+        f"over {typed_text}, the union of the inputs' axes (JAX's rule for its own primitives), and cast the "
+        "inputs up to it, so gradients are exact.\n"
+        f"Fix: {fix}. reprules.strict() refuses such a call instead; REPRULES_SOUND_TYPES=0 keeps JAX's typing."
+    )
+
+
+def control_flow_message(what: str, site: str, axes: Sequence[str], missing: Sequence[str], inner: str,
+                         mesh_axes: Iterable[str], jax_version: str) -> str:
+    """:class:`RuleError`: control flow on a varying predicate whose branches reprules cannot retype."""
+    over = fmt_axes(axes)
+    cast = _cast_up("x", tuple(axes), jax_version)
+    return (
+        f"A {what} (called at {site}) has a predicate that varies over {over}, so each device may take its own "
+        f"branch, but JAX types its outputs replicated over {fmt_axes(missing)} (mesh axes {fmt_axes(mesh_axes)}, "
+        f"JAX {jax_version}; jax#40823). reprules retypes such control flow by casting its operands up to {over}, "
+        f"but its branches hold a {inner} whose own jaxpr was typed for the old operands.\n"
+        "Why: with JAX's types, out_specs that need those outputs replicated return one device's value, and a "
+        "gradient through the branches misses its psum, silently.\n"
+        f"Fix: cast every value the branches use (captured ones too) up to {over} before the "
+        f"{what.split(' ')[0]}, e.g. x = {cast}; or make the predicate replicated (psum or all_gather it first). "
+        "REPRULES_SOUND_TYPES=0 keeps JAX's typing."
+    )
+
+
 class ReplicationMismatchError(ReprulesError, RuntimeError):
     """Verify mode found an output that differs across an axis its rule calls replicated."""
 

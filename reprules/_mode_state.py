@@ -11,6 +11,7 @@ VERIFY_ENV = "REPRULES_VERIFY"
 STRICT_ENV = "REPRULES_STRICT"
 INFER_ENV = "REPRULES_INFER"
 DORMANT_ENV = "REPRULES_DORMANT"  # patch nothing until a rule is registered
+SOUND_TYPES_ENV = "REPRULES_SOUND_TYPES"  # 0: keep JAX's types where they are provably too small
 
 lock = threading.Lock()
 _depth = {"verify": 0, "strict": 0, "infer": 0, "no_infer": 0}
@@ -55,10 +56,16 @@ def inferring_by_default() -> bool:
     return _depth["no_infer"] == 0 and not _env_off(INFER_ENV)
 
 
+def sound_types() -> bool:
+    """Whether reprules types rule-less opaque calls and control flow on a varying
+    predicate soundly where JAX's types are too small: on unless ``REPRULES_SOUND_TYPES=0``."""
+    return not _env_off(SOUND_TYPES_ENV)
+
+
 def dormant() -> bool:
     return _env_on(DORMANT_ENV)
 
 
-def modes() -> tuple[bool, bool, bool, bool]:
-    """(verifying, strict, inferring, inferring by default), as a trace cache key."""
-    return verifying(), strict_on(), inferring(), inferring_by_default()
+def modes() -> tuple[bool, bool, bool, bool, bool]:
+    """(verifying, strict, inferring, inferring by default, sound types), as a trace cache key."""
+    return verifying(), strict_on(), inferring(), inferring_by_default(), sound_types()

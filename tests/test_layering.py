@@ -26,7 +26,7 @@ SHIM_LAYERS = [
     {"_effects", "_analysis", "infer"},  # inference: a jaxpr in, a rule or a refusal out
     {"_rules", "_taint", "_union"},  # the rule behind an equation; a bwd's cotangent taints; annotation unions
     {"_pallas_hooks", "pallas_call", "_kernel_inference", "core_map", "primitives", "strict", "_bwd_trace", "custom_vjp",
-     "_verify", "_source", "pcast"},  # adapters
+     "_verify", "_source", "pcast", "opaque_types", "control_flow"},  # adapters
     {"rep", "rep_gaps", "custom_vjp_rep", "vma", "mat"},  # eras: choose and install
     {"__init__"},
 ]

@@ -28,7 +28,8 @@ The modules stand in layers, each importing only those below it
 3. ``_effects``, ``_analysis``, ``infer`` (rules derived from a kernel body);
 4. ``_rules`` (the rule behind an equation), ``_taint``, ``_union``;
 5. adapters: ``_pallas_hooks``, ``pallas_call``, ``_kernel_inference``, ``core_map``, ``primitives``,
-   ``strict``, ``_bwd_trace``, ``custom_vjp``, ``_verify``, ``_source``, ``pcast``;
+   ``strict``, ``_bwd_trace``, ``custom_vjp``, ``_verify``, ``_source``, ``pcast``,
+   ``opaque_types`` (sound types for rule-less opaque calls);
 6. eras: ``rep`` (with ``rep_gaps``, ``custom_vjp_rep``), ``vma``, ``mat``; then this façade.
 """
 
@@ -41,7 +42,7 @@ import jax
 
 from reprules import _mode_state, _registry
 from reprules._errors import UnsupportedJaxError
-from reprules._shim import _bwd_trace, _jax, _rules, _source, infer, mat, rep, vma
+from reprules._shim import _bwd_trace, _jax, _rules, _source, infer, mat, opaque_types, rep, vma
 from reprules._shim._patches import Patches
 from reprules._shim._rules import classify as classify
 from reprules._shim._rules import identify as identify
@@ -62,6 +63,7 @@ _regime: ModuleType | None = None
 _installed: Patches | None = None
 _attached: dict[object, Patches] = {}  # per hooked primitive
 _strict_patches: Patches | None = None
+_sound_patches: Patches | None = None
 _armed = False  # held active without rules (see the module docstring)
 
 
@@ -124,8 +126,8 @@ def attach(target: object) -> None:
             op = _rules.triton_opaque()
         else:
             return  # Pallas kernels and FFI targets use the hooks of activate()
-        if op.prim in _attached:
-            return
+        if op.prim in _attached or opaque_types.hooked(op.prim):
+            return  # hooked already (a rule-less opaque call met under checking: the same hooks)
         patches = Patches()
         try:
             regime().attach(op, patches)
@@ -140,6 +142,7 @@ def detach(prim: object) -> None:
         patches = _attached.pop(prim, None)
         if patches is not None:
             patches.undo_all()
+            opaque_types.forget(prim)  # rule-less again: classified again at its next bind
 
 
 def deactivate() -> None:
@@ -180,6 +183,31 @@ def sync_strict() -> None:
             patches.undo_all()
 
 
+def arm_sound_types() -> None:
+    """Installs the sound typing of rule-less opaque calls and of control flow on a
+    varying predicate (vma and mat eras; JAX <= 0.5 refuses or rewrites those itself).
+    Held while reprules is imported: it changes only types JAX has provably too small."""
+    global _sound_patches
+    with _lock:
+        module = regime()
+        if _sound_patches is None and hasattr(module, "install_sound_types"):
+            patches = Patches()
+            try:
+                module.install_sound_types(patches)
+            except BaseException:
+                patches.undo_all()
+                raise
+            _sound_patches = patches
+
+
+def disarm_sound_types() -> None:
+    global _sound_patches
+    with _lock:
+        if _sound_patches is not None:
+            patches, _sound_patches = _sound_patches, None
+            patches.undo_all()
+
+
 def active() -> bool:
     return _installed is not None
 
@@ -216,7 +244,7 @@ def release() -> None:
 def held_patches() -> list[tuple[str, bool]]:
     """``(what JAX object, still in place)`` for every live reprules patch."""
     with _lock:
-        groups = [p for p in (_installed, _strict_patches, *_attached.values()) if p is not None]
+        groups = [p for p in (_installed, _strict_patches, _sound_patches, *_attached.values()) if p is not None]
         return [entry for patches in groups for entry in patches.held()]
 
 

@@ -74,6 +74,17 @@ def frame_locals(frame: FrameType) -> dict[str, Any]:
 _SKIP = ("jax.", "jaxlib.", "reprules.", "contextlib", "functools")
 
 
+def user_frame() -> FrameType | None:
+    """The innermost frame outside JAX, reprules and their plumbing."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if not module.startswith(_SKIP) and module != "jax":
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def annotation_site(depth: int = 5) -> str:
     """Where the kernel was called from, outside JAX and reprules: the innermost
     frames, where its out_shape (and so the annotation) was built or passed."""

@@ -24,7 +24,7 @@ from jax._src.state.types import AbstractRef
 
 from reprules._version import version_tuple as _parse
 
-__all__ = ["JAX_VERSION", "AbstractRef", "backends_started", "api_util", "config", "core", "ffi_call_p", "lu", "mesh_lib", "module",
+__all__ = ["JAX_VERSION", "AbstractRef", "ClosedJaxpr", "JAXPR_TYPES", "backends_started", "api_util", "config", "core", "defined_primitives", "ffi_call_p", "lu", "mesh_lib", "module",
            "cpu_tpu_info", "pallas_call_p", "pe", "primitive", "source_info_util", "tpu_info_module", "version_tuple"]
 
 JAX_VERSION: str = jax.__version__
@@ -53,6 +53,22 @@ def primitive(module_name: str, attr: str) -> Any:
 def primitives(names: Iterable[tuple[str, str]]) -> frozenset[Any]:
     """The primitives among ``(module, attr)`` pairs that this JAX has."""
     return frozenset(p for p in (primitive(m, a) for m, a in names) if p is not None)
+
+
+def defined_primitives() -> set[int]:
+    """The ids of the primitives that the modules of JAX imported so far define
+    (at top level: every primitive of JAX's own is a module global)."""
+    found: set[int] = set()
+    for name, mod in list(sys.modules.items()):
+        if (name == "jax" or name.startswith("jax.")) and isinstance(mod, ModuleType):
+            found.update(id(v) for v in list(vars(mod).values()) if isinstance(v, core.Primitive))
+    return found
+
+
+# A jaxpr with its consts: ``core.ClosedJaxpr`` up to 0.11, which 0.12 folded into ``core.Jaxpr``
+# (``Jaxpr(jaxpr, consts)`` still builds one there).
+ClosedJaxpr: Any = getattr(core, "ClosedJaxpr", core.Jaxpr)
+JAXPR_TYPES: tuple[type, ...] = tuple({core.Jaxpr, ClosedJaxpr})
 
 
 def loaded(name: str) -> ModuleType | None:

@@ -28,3 +28,4 @@ _regime = Regime(MatField())
 install = _regime.install
 attach = _regime.attach
 install_strict = _regime.install_strict
+install_sound_types = _regime.install_sound_types

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from reprules._shim import _kernels, _rules, _verify
+from reprules._shim import _kernels, _rules, _verify, opaque_types
 from reprules._shim._patches import Patches
 from reprules._shim._rules import Opaque
 from reprules._shim._types import TypeField, call_axes, cast_inputs, in_checked_shard_map
@@ -21,8 +21,9 @@ from reprules._shim._types import TypeField, call_axes, cast_inputs, in_checked_
 
 def attach(field: TypeField, op: Opaque, patches: Patches) -> None:
     """Types the outputs of ``op.prim`` by the rule of each equation (its
-    abstract eval), and casts inputs up before binding (its bind).
-    Equations without a rule are left exactly as JAX types them."""
+    abstract eval), and casts inputs up before binding (its bind). An equation
+    without a rule is typed by :mod:`opaque_types` (JAX's types, or the union
+    of the inputs' axes where JAX's are too small)."""
     prim = op.prim
     original_abstract_eval = prim.abstract_eval
     original_bind = prim.bind  # may already be another reprules hook
@@ -30,10 +31,13 @@ def attach(field: TypeField, op: Opaque, patches: Patches) -> None:
     def abstract_eval(*avals: Any, **params: Any) -> Any:
         out, effects = original_abstract_eval(*avals, **params)
         reg = op.lookup(params)
-        if reg is None or not in_checked_shard_map():
+        if not in_checked_shard_map() or (reg is None and not opaque_types.widening_on()):
             return out, effects
         first, _ = op.layout(params, len(avals))
         outs = list(out) if prim.multiple_results else [out]
+        if reg is None:
+            outs = opaque_types.retype(field, avals[first:], outs)
+            return (outs if prim.multiple_results else outs[0]), effects
         in_vary = tuple(field.varying(a) for a in avals[first:])
         decided = _rules.decide_here(reg, in_vary, len(outs))
         if decided is None:
@@ -58,7 +62,28 @@ def attach(field: TypeField, op: Opaque, patches: Patches) -> None:
                     out = original_bind(*args, **params)
                     _verify.check_outputs(field, reg, list(out) if prim.multiple_results else [out])
                 return out
+        elif reg is None and opaque_types.widening_on() and in_checked_shard_map():
+            return _bind_widened(field, op, original_abstract_eval, original_bind, args, params)
         return original_bind(*args, **params)
 
     patches.setattr(prim, "abstract_eval", abstract_eval)
     patches.setattr(prim, "bind", bind)
+
+
+def _bind_widened(field: TypeField, op: Opaque, abstract_eval: Any, bind: Any, args: tuple[Any, ...],
+                  params: dict[str, Any]) -> Any:
+    """A rule-less call: where JAX types an output with fewer axes than the inputs
+    vary over, the inputs are cast up to their union (the abstract eval then types
+    every output by it) and the call site is warned about once."""
+    avals = [jax.typeof(a) for a in args]
+    first, _ = op.layout(params, len(args))
+    out_avals = abstract_eval(*avals, **params)[0]
+    outs = list(out_avals) if op.prim.multiple_results else [out_avals]
+    union = opaque_types.widening(field, avals[first:], outs)
+    if union is None:
+        return bind(*args, **params)
+    opaque_types.warn(op, params, union, outs, field)
+    in_vary = [field.varying(a) for a in avals[first:]]
+    with call_axes(opaque_types.axes_here(field, avals[first:]), avals[first:]):
+        cast = cast_inputs(args[first:], in_vary, [union] * len(in_vary))
+    return bind(*args[:first], *cast, **params)

@@ -80,7 +80,7 @@ _HIGHER_ORDER = (
 
 
 @functools.cache
-def _jax_collectives() -> frozenset[Any]:
+def jax_collectives() -> frozenset[Any]:
     """JAX's collectives, by identity: every primitive that ``jax._src.lax.parallel``
     defines (psum, all_gather, ppermute, axis_index, ... under whatever names
     this version has) and ``core.pvary_p`` (pvary / pcast, 0.6+)."""
@@ -101,7 +101,7 @@ def _jax_higher_order() -> frozenset[Any]:
 def _exempt(primitive: Any, params: dict[str, Any]) -> bool:
     """JAX's collectives and higher-order primitives type their outputs
     themselves; registered opaque primitives are typed by their rules."""
-    if primitive in _jax_collectives() or primitive in _jax_higher_order():
+    if primitive in jax_collectives() or primitive in _jax_higher_order():
         return True
     return _rules.describe(primitive).lookup(params) is not None
 

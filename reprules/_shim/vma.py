@@ -12,6 +12,11 @@ varying axes (``_types.TypeField``):
   their abstract eval;
 * ``custom_vjp``: psums a ``custom_vjp`` cotangent over the axes it varies over
   and its primal does not (JAX <= 0.5 did this itself; from 0.6.2 JAX refuses it);
+* ``opaque_types``: a rule-less opaque call (user primitive, ``ffi_call``,
+  ``pure_callback``, ``triton_call``) that JAX types with fewer varying axes
+  than its inputs have is typed by their union, inputs cast up;
+* ``control_flow``: a ``cond``/``switch``/``while_loop`` whose predicate varies
+  over axes its outputs are not typed with gets its operands cast up (jax#40823);
 * ``pcast``: ``pcast(..., to='varying')`` of an output reprules widened
   (the annotation union) over the axes it added is the identity;
 * ``strict``: strict mode's check after each staged primitive.
@@ -21,7 +26,7 @@ The *mat* era (0.10+) is the same with another type field (``mat.py``).
 
 from __future__ import annotations
 
-from reprules._shim import _jax, _rules, core_map, custom_vjp, pcast, primitives, strict
+from reprules._shim import _jax, _rules, control_flow, core_map, custom_vjp, opaque_types, pcast, primitives, strict
 from reprules._shim._patches import Patches
 from reprules._shim._types import TypeField
 from reprules._shim.pallas_call import TypedPallasCall
@@ -47,10 +52,16 @@ class Regime:
         TypedPallasCall(self.field).install(patches)
         custom_vjp.install(patches, self.field)
         ffi = _rules.ffi_opaque()
-        if ffi is not None:
+        if ffi is not None and not opaque_types.hooked(ffi.prim):
             self.attach(ffi, patches)
         core_map.install(patches, self.field)  # after pallas_call's: it wraps that conversion hook
         pcast.install(patches)
+
+    def install_sound_types(self, patches: Patches) -> None:
+        """Rule-less opaque calls and control flow on a varying predicate, typed soundly
+        (installed at ``import reprules``, Pallas imported or not)."""
+        opaque_types.install(self.field, patches, primitives.attach)
+        control_flow.install(self.field, patches)
 
     def attach(self, op: _rules.Opaque, patches: Patches) -> None:
         """Types the outputs of a user primitive, ``ffi_call`` or ``triton_call`` by its rule."""
@@ -64,3 +75,4 @@ _regime = Regime(TypeField())
 install = _regime.install
 attach = _regime.attach
 install_strict = _regime.install_strict
+install_sound_types = _regime.install_sound_types

@@ -1,0 +1,173 @@
+"""Sound types for rule-less opaque calls (vma and mat eras).
+
+From JAX 0.6 a primitive's abstract eval *is* its replication rule. JAX's own
+primitives follow ``standard_vma_rule`` (outputs vary over the union of the
+inputs' axes), but an opaque call is typed by whoever wrote it: a user
+``Primitive`` whose abstract eval returns ``ShapedArray(shape, dtype)``,
+``ffi_call`` from 0.8.2 and ``jax.pure_callback`` / ``io_callback`` (their
+result shapes, replicated unless annotated), jax-triton's ``triton_call``.
+Such an output is typed replicated while it differs per device:
+``out_specs=P()`` returns one device's block, and a gradient through it
+misses its psum, silently, where checking off is right.
+
+Where such a call has no rule and an output is typed with fewer axes than its
+inputs vary over, reprules types every output by the union of the inputs'
+axes (JAX's rule for its ordinary primitives, and what NVIDIA Warp chose,
+warp#1860), casts the inputs up to that union first (the casts' transposes
+psum the cotangents of replicated inputs, so gradients are exact), and warns
+once per call site. A rule, ``reprules.strict()`` (which refuses) and
+``REPRULES_SOUND_TYPES=0`` (which keeps JAX's typing) each leave it alone.
+
+"Opaque" is decided once per primitive object: JAX's FFI and callback
+primitives, and every primitive no ``jax`` module defines. JAX's own
+collectives and higher-order primitives type their outputs from what they
+compute and are never touched.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from reprules import _errors, _mode_state
+from reprules._shim import _frames, _jax, _rules
+from reprules._shim._patches import Patches
+from reprules._shim._rules import Opaque
+from reprules._shim._types import TypeField, call_axes, checking, hidden_axes, manual_axes
+
+_lock = threading.RLock()
+_seen: set[Any] = set()  # every primitive bound under checking since activation: classified once
+_implicit: dict[Any, Patches] = {}  # rule-less opaque primitives hooked by this module
+_warned: set[tuple[str, str]] = set()  # (primitive, site): one warning per call site
+_jax_defined: set[int] = set()  # ids of the primitives some jax module defines (refreshed on a miss)
+
+# JAX's own primitives whose outputs are typed by the caller's result shapes.
+_JAX_OPAQUE = (
+    ("jax._src.ffi", "ffi_call_p"),  # 0.5+ (reprules hooks it at activation too)
+    ("jax._src.extend.ffi", "ffi_call_p"),  # 0.4.31 - 0.4.38
+    ("jax._src.callback", "pure_callback_p"),
+    ("jax._src.callback", "io_callback_p"),
+)
+
+
+def widening_on() -> bool:
+    """Sound types apply: not switched off, and strict mode (which refuses) is off."""
+    return _mode_state.sound_types() and not _mode_state.strict_on()
+
+
+def install(field: TypeField, patches: Patches, attach: Callable[[TypeField, Opaque, Patches], None]) -> None:
+    """Hooks ``Primitive.bind`` so that the first bind of each primitive under
+    checking classifies it; a rule-less opaque one gets ``attach``'s hooks
+    (the same as a registered primitive's, whose rule lookup then finds none)."""
+    original = _jax.core.Primitive.bind
+
+    def bind(prim: Any, *args: Any, **params: Any) -> Any:
+        if prim in _seen or not checking():
+            return original(prim, *args, **params)
+        with _lock:
+            _seen.add(prim)
+            hook = "bind" not in vars(prim) and _opaque(prim)  # an instance hook: attached already
+            if hook:
+                own = Patches()
+                attach(field, _describe(prim), own)
+                _implicit[prim] = own
+        return prim.bind(*args, **params) if hook else original(prim, *args, **params)
+
+    patches.setattr(_jax.core.Primitive, "bind", bind)
+    patches.on_undo(_forget_all)
+
+
+def hooked(prim: Any) -> bool:
+    """Whether this module already gave ``prim`` the per-primitive hooks."""
+    return prim in _implicit
+
+
+def forget(prim: Any) -> None:
+    """Classify ``prim`` again at its next bind (its registered hooks were removed)."""
+    with _lock:
+        _seen.discard(prim)
+
+
+def _forget_all() -> None:
+    with _lock:
+        pending = list(_implicit.values())
+        _implicit.clear()
+        _seen.clear()
+    for patches in reversed(pending):
+        patches.undo_all()
+
+
+def _opaque(prim: Any) -> bool:
+    if prim in _jax.primitives(_JAX_OPAQUE):
+        return True
+    if id(prim) in _jax_defined:
+        return False
+    _jax_defined.update(_jax.defined_primitives())  # a jax module imported since: look again
+    return id(prim) not in _jax_defined
+
+
+def _describe(prim: Any) -> Opaque:
+    if prim in _jax.primitives(_JAX_OPAQUE[2:]):  # jax.pure_callback, jax.experimental.io_callback
+        return Opaque(prim=prim, kind="JAX callback", lookup=lambda params: None,
+                      name=lambda params: prim.name, layout=lambda params, n: (0, None))
+    return _rules.describe(prim)
+
+
+def widening(field: TypeField, in_avals: Sequence[Any], out_avals: Sequence[Any]) -> frozenset[str] | None:
+    """The union of the inputs' varying axes, where an output (with a shape) is
+    typed with fewer; None where JAX's types already hold them all."""
+    union = frozenset().union(*(field.varying(a) for a in in_avals))
+    if not union:
+        return None
+    short = any(hasattr(o, "shape") and union - field.varying(o) for o in out_avals)
+    return union if short else None
+
+
+def axes_here(field: TypeField, in_avals: Sequence[Any]) -> tuple[str, ...]:
+    """The manual axes of this call (those known, where code hid the mesh)."""
+    hidden = hidden_axes([field.varying(a) for a in in_avals])
+    return hidden.known if hidden is not None else manual_axes()
+
+
+def retype(field: TypeField, in_avals: Sequence[Any], out_avals: Sequence[Any]) -> list[Any]:
+    """Each output typed varying over the union of its axes and the inputs'."""
+    union = widening(field, in_avals, out_avals)
+    if union is None:
+        return list(out_avals)
+    with call_axes(axes_here(field, in_avals), in_avals):
+        return [field.retype(o, field.varying(o) | union) if hasattr(o, "shape") else o for o in out_avals]
+
+
+def warn(op: Opaque, params: dict[str, Any], union: frozenset[str], out_avals: Sequence[Any],
+         field: TypeField) -> None:
+    """One :class:`reprules.ReplicationWarning` per primitive and call site."""
+    name = op.name(params)
+    site = _frames.annotation_site(depth=2)
+    user = _frames.user_frame()
+    with _lock:
+        if (name, site) in _warned:
+            return
+        _warned.add((name, site))
+    short = sorted({a for o in out_avals if hasattr(o, "shape") for a in union - field.varying(o)})
+    message = _errors.sound_type_message(
+        op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=_rule_target(op, name))
+    if user is None:
+        warnings.warn(message, _errors.ReplicationWarning, stacklevel=3)
+    else:  # attributed to the user's line, as warnings filters and pytest report it
+        warnings.warn_explicit(message, _errors.ReplicationWarning, user.f_code.co_filename, user.f_lineno,
+                               module=str(user.f_globals.get("__name__")),
+                               registry=user.f_globals.setdefault("__warningregistry__", {}))
+
+
+def _rule_target(op: Opaque, name: str) -> str:
+    """What a rule for this call is registered on, as the user writes it."""
+    if op.kind == "FFI target":
+        return f"reprules.ffi_target({name!r})"
+    if op.kind == "Triton kernel":
+        return "<the Triton kernel>"
+    if op.kind == "JAX callback":
+        return ""  # nothing to register a rule on
+    return f"<the {name!r} primitive>"
+
