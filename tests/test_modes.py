@@ -73,10 +73,16 @@ mlir.register_lowering(silent_p, mlir.lower_fun(lambda x: x * 1.0, multiple_resu
 
 
 @pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 refuses rule-less primitives by itself")
-def test_strict_refuses_silently_replicated_primitive(setup):
+def test_strict_refuses_silently_replicated_primitive(setup, monkeypatch):
     mesh, x = setup
     f = jax.jit(shard_map(silent_p.bind, mesh, P("data", None), P(None, None)))
-    assert f(x).shape == (2, 128)  # the hazard: accepted, one device's shard returned
+    with monkeypatch.context() as env:  # JAX's typing: the hazard, accepted, one device's shard returned
+        env.setenv("REPRULES_SOUND_TYPES", "0")
+        assert f(x).shape == (2, 128)
+    jax.clear_caches()  # the switch is read when a function is traced
+    with pytest.warns(reprules.ReplicationWarning, match="primitive 'silent_copy'"):  # sound types: refused
+        with pytest.raises(ValueError, match="out_specs"):
+            jax.jit(shard_map(silent_p.bind, mesh, P("data", None), P(None, None)))(x)
     with reprules.strict():
         with pytest.raises(reprules.StrictModeError, match=r"(?s)Strict mode: the primitive 'silent_copy' has inputs varying over \{'data'\}.*output 0 as replicated over \{'data'\}.*JAX " + jax.__version__ + r".*Fix: give it a rule"):
             f(x)

@@ -50,12 +50,20 @@ def test_rule_types_triton_call_outputs(args):
         jax.make_jaxpr(shard_map(add, mesh, (P("data", None), P()), P(None, None)))(x, y)
 
 
-def test_without_rule_triton_call_is_silently_invariant(args):
-    """The hazard reprules exists for: JAX types the output replicated."""
+def test_without_rule_triton_call_is_typed_by_the_union_of_its_inputs(args, monkeypatch):
+    """JAX types a rule-less triton_call's output replicated (out_specs=P() wrongly accepted);
+    reprules types it by the union of its inputs' axes, warning once, naming the kernel."""
     mesh, x, y = args
-    line = _triton_line(shard_map(add, mesh, (P("data", None), P()), P("data", None)), x, y)
-    assert "{V:" not in line.split("=")[0]
-    jax.make_jaxpr(shard_map(add, mesh, (P("data", None), P()), P(None, None)))(x, y)  # wrongly accepted
+    f = shard_map(add, mesh, (P("data", None), P()), P("data", None))
+    with pytest.warns(reprules.ReplicationWarning, match=r"(?s)The Triton kernel 'add_kernel' \(called at .*test_triton.py.*"
+                      r"inputs varying over \{'data'\}.*JAX " + jax.__version__ + r".*replication_rule\(rules.same\(\)\)\(add_kernel\)"):
+        line = _triton_line(f, x, y)
+    assert "{V:data}" in line.split("=")[0]
+    with pytest.raises(ValueError, match="out_specs"):
+        jax.make_jaxpr(shard_map(add, mesh, (P("data", None), P()), P(None, None)))(x, y)
+    monkeypatch.setenv("REPRULES_SOUND_TYPES", "0")  # JAX's typing: the hazard, accepted
+    jax.clear_caches()  # the switch is read when a function is traced
+    jax.make_jaxpr(shard_map(add, mesh, (P("data", None), P()), P(None, None)))(x, y)
 
 
 def _has_gpu():

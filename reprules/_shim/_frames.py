@@ -71,7 +71,7 @@ def frame_locals(frame: FrameType) -> dict[str, Any]:
 
 
 # Modules whose frames are plumbing between the user's call and a kernel's bind.
-_SKIP = ("jax.", "jaxlib.", "reprules.", "contextlib", "functools")
+_SKIP = ("jax.", "jaxlib.", "jax_triton.", "reprules.", "contextlib", "functools")
 
 
 def user_frame() -> FrameType | None:

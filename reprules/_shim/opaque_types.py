@@ -144,12 +144,13 @@ def warn(op: Opaque, params: dict[str, Any], union: frozenset[str], out_avals: S
          field: TypeField) -> None:
     """One :class:`reprules.ReplicationWarning` per primitive and call site."""
     name = op.name(params)
-    site = _frames.annotation_site(depth=2)
     user = _frames.user_frame()
+    key = (name, f"{user.f_code.co_filename}:{user.f_lineno}" if user is not None else "")
     with _lock:
-        if (name, site) in _warned:
+        if key in _warned:
             return
-        _warned.add((name, site))
+        _warned.add(key)
+    site = _frames.annotation_site(depth=2)
     short = sorted({a for o in out_avals if hasattr(o, "shape") for a in union - field.varying(o)})
     message = _errors.sound_type_message(
         op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=_rule_target(op, name))
@@ -166,7 +167,7 @@ def _rule_target(op: Opaque, name: str) -> str:
     if op.kind == "FFI target":
         return f"reprules.ffi_target({name!r})"
     if op.kind == "Triton kernel":
-        return "<the Triton kernel>"
+        return name  # registered on the @triton.jit function itself
     if op.kind == "JAX callback":
         return ""  # nothing to register a rule on
     return f"<the {name!r} primitive>"
