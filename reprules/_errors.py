@@ -274,6 +274,54 @@ class ReplicationMismatchError(ReprulesError, RuntimeError):
     """Verify mode found an output that differs across an axis its rule calls replicated."""
 
 
+def mismatch_fix(kernel: str, rule: str, index: int, axis: str) -> str:
+    """The Fix of a :class:`ReplicationMismatchError`: ``kernel``'s rule (its repr, ``rule``)
+    made to say that output ``index`` varies over ``axis``, as a line to paste."""
+    import ast
+    import re
+
+    found = re.fullmatch(r"rules\.(same|like|varying|invariant)\((.*)\)", rule)
+    try:
+        args = ast.literal_eval(f"({found.group(2)},)") if found and found.group(2) else ()
+    except (SyntaxError, ValueError):
+        found = None
+    if found is None:  # the user's own rule (or a derived one, which should never get here)
+        how = (f"make the rule return a set with {axis!r} for output {index}"
+               + (" (a derived rule should never differ: please report it)" if rule.startswith("inferred(") else "")
+               + f"; or register `reprules.replication_rule(reprules.rules.varying({axis!r}), override=True)`"
+               f"({kernel})`, the sound rule for what the check saw")
+        return f"Fix: {how}, or make the kernel communicate over {axis!r}."
+    if found.group(1) == "invariant":
+        rest = [a for a in args if a != axis]
+        new = f"rules.invariant({', '.join(map(repr, rest))})" if rest else "rules.same()"
+    else:  # same() and like(i) type outputs by the inputs; varying(...) adds axes
+        more = [a for a in args if isinstance(a, str)] if found.group(1) == "varying" else []
+        new = f"rules.varying({', '.join(map(repr, [*more, axis]))})"
+    target = kernel if kernel.isidentifier() else f"<the kernel {kernel!r}>"
+    return (f"Fix: make the rule say the output varies over {axis!r} (or make the kernel communicate "
+            f"over it):\n    import reprules\n    from reprules import rules\n"
+            f"    reprules.replication_rule({new}, override=True)({target})")
+
+
+def strict_message(kind: str, name: str, index: int, in_vary: Iterable[str], missing: Iterable[str],
+                   mesh_axes: Sequence[str], jax_version: str) -> str:
+    """The message of :class:`StrictModeError`: an opaque primitive with no rule whose
+    abstract eval typed output ``index`` replicated over axes its inputs vary over."""
+    if kind == "FFI target":
+        target = f"reprules.ffi_target({name!r})"
+    else:
+        target = name if name.isidentifier() else f"<the {name!r} {kind.split()[-1]} object>"
+    return (
+        f"Strict mode: the {kind} {name!r} has inputs varying over {fmt_axes(in_vary)}, "
+        f"but JAX typed its output {index} as replicated over {fmt_axes(missing)} "
+        f"(mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version}).\n"
+        "Why: it has no replication rule, and its abstract eval drops the varying axes; JAX "
+        "would then accept out_specs that need replication and return one device's shard.\n"
+        + _advice_block(None, tuple(mesh_axes), target)
+        + (f"\n(`{target}`: the {kind} object itself)" if target == name else "")
+    )
+
+
 class PatchWarning(ReprulesError, RuntimeWarning):
     """reprules left a JAX attribute that another library wrapped after it in place."""
 

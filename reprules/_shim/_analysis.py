@@ -93,13 +93,9 @@ def _refuse(eqn: Any, reason: str, kind: str = UNKNOWN, axes: tuple[str, ...] | 
 
 def _named_axes(params: dict[str, Any]) -> tuple[str, ...] | None:
     """The mesh axes an ``axis_index`` or collective equation names (``None``: none by name)."""
-    for key in ("axis_name", "axes"):
-        value = params.get(key)
-        names = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (tuple, list)) else ()
-        names = tuple(n for n in names if isinstance(n, str))
-        if names:
-            return names
-    return None
+    value = params.get("axis_name", params.get("axes"))
+    names = tuple(n for n in ((value,) if isinstance(value, str) else value or ()) if isinstance(n, str))
+    return names or None
 
 
 def _is_ref(var: Any) -> bool:
@@ -199,8 +195,8 @@ class _Analysis:
                                        "which can move data between devices", COMMUNICATION)
         elif prim in t["collectives"]:
             named = _named_axes(eqn.params)
-            over = f" over {', '.join(map(repr, named))}" if named else ""
-            self.nonlocal_eqn(eqn, f"communicates with other devices (a collective{over})", COMMUNICATION, named)
+            self.nonlocal_eqn(eqn, "communicates with other devices (a collective"
+                              + (f" over {', '.join(map(repr, named))})" if named else ")"), COMMUNICATION, named)
             kind = PURE
         elif prim in t["barrier"]:
             self.nonlocal_eqn(eqn, "synchronises with other devices (a barrier semaphore)", COMMUNICATION)
@@ -573,24 +569,17 @@ def _summarize(jaxpr: Any, same_memory: SameMemory, kernel_axes: frozenset[str],
 
 
 def survey(first: Refusal, jaxpr: Any, kernel_axes: frozenset[str] = frozenset()) -> Refusal:
-    """``first`` with every equation of ``jaxpr`` that is not local in its ``survey`` (one
-    pass recording them), so that advice covers the whole body: one reading
-    ``axis_index("model")`` that also all-reduces over ``data`` needs more than
-    ``rules.varying("model")``. Where the pass cannot go on, it ends with that refusal."""
+    """``first`` with every equation of ``jaxpr`` that is not local (one pass recording them) in
+    its ``survey``, for advice that covers the whole body; it ends where the pass cannot go on."""
     analysis = _Analysis(kernel_axes)
     analysis.found = []
     try:
-        jaxpr, _ = _jaxpr_and_consts(jaxpr)
-        env: dict[Any, Any] = {}
-        for k, v in enumerate([*jaxpr.constvars, *jaxpr.invars]):
-            env[v] = ("ref", analysis.new_ref(v, frozenset({k}))) if _is_ref(v) else frozenset({k})
-        analysis.run(jaxpr, env, _EMPTY)
+        analysis.check_local(jaxpr)  # every equation once; what flows where does not matter here
     except _Refused as refused:
         analysis.found.append(refused.refusal)
-    except Exception as err:  # the survey is for advice only: never worse than no survey
+    except Exception as err:  # advice only: never worse than no survey
         analysis.found.append(Refusal(first.primitive, f"could not be surveyed ({type(err).__name__})", ""))
-    found = tuple(dict.fromkeys(analysis.found)) or (first,)
-    return dataclasses.replace(first, survey=found)
+    return dataclasses.replace(first, survey=tuple(dict.fromkeys(analysis.found)) or (first,))
 
 
 def _used_invars(jaxpr: Any, skip: int) -> frozenset[int]:
