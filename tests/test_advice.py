@@ -298,8 +298,8 @@ def test_pl_kernel_identity_read_gets_rules_varying_of_it(data, tpu_interpret):
     try:
         check_follows(message, index_body, [(narrow_on, narrow_off, None),
                                             (full_on, full_off, np.concatenate([xs, xs + 1], 1))], x)
-    except ValueError as err:  # 0.10+: JAX's TPU interpreter re-binds the body's add under check_vma,
-        # typed apart from the varying scratch it reads (with a hand annotation too, not reprules')
+    except ValueError as err:  # 0.10+: JAX's TPU interpreter re-binds the body's add under
+        # check_vma and refuses it (a replicated scratch read plus axis_index): check the typing
         if "varying manual axes to match" not in str(err):
             raise
         apply(message, snippets(message)[1][0], index_body=index_body)  # the typing, then
