@@ -95,6 +95,12 @@ class Rule(Protocol):
     def __call__(self, ctx: RuleContext, in_varying: tuple[VaryingSet, ...], /) -> RuleResult: ...
 
 
+def _target(kernel_name: str) -> str:
+    """What a pasted registration names: the kernel, where its name is a Python name."""
+    name = kernel_name.split(" ")[0]
+    return name if name.isidentifier() else f"<the kernel {name!r}>"
+
+
 def _union(sets: Sequence[VaryingSet]) -> VaryingSet:
     return frozenset().union(*sets)
 
@@ -159,7 +165,9 @@ class like:
                     f"{fmt_axes(v)} (mesh axes {fmt_axes(ctx.mesh_axes)}, JAX {ctx.jax_version}).\n"
                     "Why: the outputs would depend on values that differ across those axes while "
                     "being typed as replicated over them.\n"
-                    "Fix: use rules.same(), or rules.invariant(...) if the kernel communicates."
+                    "Fix: type the outputs by every input (sound for a kernel that computes locally; "
+                    "check it with reprules.verify()):\n    import reprules\n    from reprules import rules\n"
+                    f"    reprules.replication_rule(rules.same(), override=True)({_target(ctx.kernel_name)})"
                 )
         return Decision(outputs=(target,) * ctx.num_outputs, inputs=(target,) * len(in_varying))
 

@@ -84,7 +84,8 @@ def test_strict_refuses_silently_replicated_primitive(setup, monkeypatch):
         with pytest.raises(ValueError, match="out_specs"):
             jax.jit(shard_map(silent_p.bind, mesh, P("data", None), P(None, None)))(x)
     with reprules.strict():
-        with pytest.raises(reprules.StrictModeError, match=r"(?s)Strict mode: the primitive 'silent_copy' has inputs varying over \{'data'\}.*output 0 as replicated over \{'data'\}.*JAX " + jax.__version__ + r".*Fix: give it a rule"):
+        with pytest.raises(reprules.StrictModeError, match=r"(?s)Strict mode: the primitive 'silent_copy' has inputs varying over \{'data'\}.*output 0 as replicated over \{'data'\}.*JAX " + jax.__version__ + r".*Fix: reprules cannot see what it computes.*reprules\.verify\(\).*"
+                           r"reprules\.replication_rule\(rules\.varying\('data', 'model'\)\)\(silent_copy\)"):
             f(x)
     reprules.replication_rule()(silent_p)
     with reprules.strict():  # with a rule: typed right, so JAX itself refuses out_specs=P()

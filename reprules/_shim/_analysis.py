@@ -52,13 +52,22 @@ _EMPTY: Taint = frozenset()
 _DEVICE = -1  # a taint token: "differs per device" (the hidden PRNG state at kernel entry)
 
 
+# What a refused equation does, for a MissingRuleError's advice (reprules._errors.Finding).
+IDENTITY, COMMUNICATION, CALLBACK, PRNG, UNKNOWN = "identity", "communication", "callback", "prng", "unknown"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Refusal:
-    """Why a kernel's rule cannot be derived: the first equation that is not local."""
+    """Why a kernel's rule cannot be derived: the first equation that is not local;
+    ``kind`` what it does, ``axes`` the mesh axes it names (None: not known). ``survey``:
+    every equation of the body that is not local (see :func:`survey`), or empty."""
 
     primitive: str
     reason: str
     where: str  # "file:line (function)" of the equation, or "" if unknown
+    kind: str = UNKNOWN
+    axes: tuple[str, ...] | None = None
+    survey: tuple[Refusal, ...] = ()
 
     def describe(self) -> str:
         at = f" at {self.where}" if self.where else ""
@@ -78,8 +87,15 @@ def _where(eqn: Any) -> str:
         return ""
 
 
-def _refuse(eqn: Any, reason: str) -> _Refused:
-    return _Refused(Refusal(primitive=eqn.primitive.name, reason=reason, where=_where(eqn)))
+def _refuse(eqn: Any, reason: str, kind: str = UNKNOWN, axes: tuple[str, ...] | None = None) -> _Refused:
+    return _Refused(Refusal(primitive=eqn.primitive.name, reason=reason, where=_where(eqn), kind=kind, axes=axes))
+
+
+def _named_axes(params: dict[str, Any]) -> tuple[str, ...] | None:
+    """The mesh axes an ``axis_index`` or collective equation names (``None``: none by name)."""
+    value = params.get("axis_name", params.get("axes"))
+    names = tuple(n for n in ((value,) if isinstance(value, str) else value or ()) if isinstance(n, str))
+    return names or None
 
 
 def _is_ref(var: Any) -> bool:
@@ -104,6 +120,14 @@ class _Analysis:
         self._by_var: dict[Any, int] = {}
         # The hidden PRNG state's taint at this point of the body (flow-sensitive).
         self.prng: Taint = frozenset({_DEVICE})
+        self.found: list[Refusal] | None = None  # surveying: what is not local, recorded, not refused
+
+    def nonlocal_eqn(self, eqn: Any, reason: str, kind: str, axes: tuple[str, ...] | None = None) -> None:
+        """An equation that is not local: refused, or recorded when surveying."""
+        refused = _refuse(eqn, reason, kind, axes)
+        if self.found is None:
+            raise refused
+        self.found.append(refused.refusal)
 
     # refs ------------------------------------------------------------------
     def new_ref(self, var: Any, taint: Taint = _EMPTY) -> int:
@@ -150,36 +174,45 @@ class _Analysis:
         prim = eqn.primitive
         for effect in getattr(eqn, "effects", ()) or ():
             if type(effect).__name__ not in KNOWN_EFFECTS:
-                raise _refuse(eqn, f"carries the JAX effect {type(effect).__name__}, which reprules' "
-                                   "effect model does not cover (it could hold state per device)")
+                self.nonlocal_eqn(eqn, f"carries the JAX effect {type(effect).__name__}, which reprules' "
+                                       "effect model does not cover (it could hold state per device)", UNKNOWN)
         if prim in t["higher_order"]:
             return self.higher_order(eqn, ins, ctrl)
         if prim in t["identity"]:
             axis = eqn.params.get("axis_name")
             if prim.name == "axis_index" and axis in self.own_axes:
                 return [ctrl]  # which core or grid step of this kernel: the same on every device
-            on = f"on mesh axis {axis!r}" if isinstance(axis, str) else "on a mesh axis"
-            raise _refuse(eqn, f"reads the device's identity (its index {on}), so its "
-                               "outputs can differ between devices with equal inputs")
-        if prim in t["casts"]:
-            if not _is_type_cast(eqn):
-                raise _refuse(eqn, "changes a value's sharding over mesh axes that are not manual, "
-                                   "which can move data between devices")
+            named = _named_axes(eqn.params) if prim.name == "axis_index" else None
+            on = (f"on mesh axis {axis!r}" if isinstance(axis, str) else
+                  f"on mesh axes {named!r}" if named else "on a mesh axis")
+            self.nonlocal_eqn(eqn, f"reads the device's identity (its index {on}), so its "
+                                   "outputs can differ between devices with equal inputs", IDENTITY, named)
             kind = PURE
+        elif prim in t["casts"]:
+            kind = PURE
+            if not _is_type_cast(eqn):
+                self.nonlocal_eqn(eqn, "changes a value's sharding over mesh axes that are not manual, "
+                                       "which can move data between devices", COMMUNICATION)
         elif prim in t["collectives"]:
-            raise _refuse(eqn, "communicates with other devices (a collective)")
+            named = _named_axes(eqn.params)
+            self.nonlocal_eqn(eqn, "communicates with other devices (a collective"
+                              + (f" over {', '.join(map(repr, named))})" if named else ")"), COMMUNICATION, named)
+            kind = PURE
         elif prim in t["barrier"]:
-            raise _refuse(eqn, "synchronises with other devices (a barrier semaphore)")
+            self.nonlocal_eqn(eqn, "synchronises with other devices (a barrier semaphore)", COMMUNICATION)
+            kind = PURE
         elif prim in t["callbacks"]:
-            raise _refuse(eqn, "calls back to the host, whose result reprules cannot see")
+            self.nonlocal_eqn(eqn, "calls back to the host, whose result reprules cannot see", CALLBACK)
+            kind = PURE
         elif prim in t["remote_capable"]:
             self.check_no_device_id(eqn, t["remote_capable"][prim][0])
             kind = REFS
         elif prim in t["effect"]:
             kind = t["effect"][prim]
         else:
-            raise _refuse(eqn, "is not a primitive reprules knows to be local (it could "
-                               "communicate or read the device's identity)")
+            self.nonlocal_eqn(eqn, "is not a primitive reprules knows to be local (it could "
+                                   "communicate or read the device's identity)", UNKNOWN)
+            kind = REFS
         for value in _nested_jaxprs(eqn.params):  # e.g. a reduction's computation
             self.check_local(value)
         is_ref = [isinstance(b, tuple) and b[:1] == ("ref",) for b in ins]
@@ -192,10 +225,10 @@ class _Analysis:
             self.prng = operands  # a seed replaces the generator's state
         if kind in (DRAW, SEED_DRAW):
             if _DEVICE in self.prng:
-                raise _refuse(eqn, "draws from the TPU's hardware PRNG where no prng_seed in this "
+                self.nonlocal_eqn(eqn, "draws from the TPU's hardware PRNG where no prng_seed in this "
                                    "kernel precedes it on every path: the generator's state at that "
                                    "point can differ per device (seed it first, from the kernel's "
-                                   "inputs, in every grid step)")
+                                   "inputs, in every grid step)", PRNG)
             self.prng = self.prng | ctrl  # the draw advances it; whether it ran is ctrl
             return [self.prng] * len(eqn.outvars)
         if kind == FRESH:
@@ -241,7 +274,7 @@ class _Analysis:
             raise _refuse(eqn, "has operands reprules cannot read, so it could address another "
                                "device") from None
         if device_id is not None:
-            raise _refuse(eqn, "communicates with another device (it has a device_id)")
+            self.nonlocal_eqn(eqn, "communicates with another device (it has a device_id)", COMMUNICATION)
 
     def check_local(self, value: Any) -> None:
         jaxpr, _ = _jaxpr_and_consts(value)
@@ -336,8 +369,8 @@ class _Analysis:
             return self.call(_hi_expansion(eqn), ins, ctrl, eqn)
         if name == "run_scoped":
             if params.get("collective_axes"):
-                raise _refuse(eqn, "allocates memory shared across cores or devices "
-                                   f"(collective_axes={params['collective_axes']})")
+                self.nonlocal_eqn(eqn, "allocates memory shared across cores or devices "
+                                       f"(collective_axes={params['collective_axes']})", COMMUNICATION)
             jaxpr = params["jaxpr"]
             if len(jaxpr.constvars) != len(ins):
                 raise _refuse(eqn, "has a body whose inputs reprules cannot match to its operands")
@@ -531,8 +564,22 @@ def _summarize(jaxpr: Any, same_memory: SameMemory, kernel_axes: frozenset[str],
                 break
             end_prng |= analysis.prng
     except _Refused as refused:
-        return refused.refusal
+        return survey(refused.refusal, jaxpr, kernel_axes)
     return _Summary(tuple(None if r is None else analysis.ref_taint[r] for r in ref_ids))
+
+
+def survey(first: Refusal, jaxpr: Any, kernel_axes: frozenset[str] = frozenset()) -> Refusal:
+    """``first`` with every equation of ``jaxpr`` that is not local (one pass recording them) in
+    its ``survey``, for advice that covers the whole body; it ends where the pass cannot go on."""
+    analysis = _Analysis(kernel_axes)
+    analysis.found = []
+    try:
+        analysis.check_local(jaxpr)  # every equation once; what flows where does not matter here
+    except _Refused as refused:
+        analysis.found.append(refused.refusal)
+    except Exception as err:  # advice only: never worse than no survey
+        analysis.found.append(Refusal(first.primitive, f"could not be surveyed ({type(err).__name__})", ""))
+    return dataclasses.replace(first, survey=tuple(dict.fromkeys(analysis.found)) or (first,))
 
 
 def _used_invars(jaxpr: Any, skip: int) -> frozenset[int]:
@@ -549,5 +596,5 @@ def index_map_reads(index_map: Any, kernel_axes: frozenset[str], num_grid: int) 
     try:
         _Analysis(kernel_axes).check_local(index_map)
     except _Refused as refused:
-        return refused.refusal
+        return survey(refused.refusal, index_map, kernel_axes)
     return _used_invars(_jaxpr_and_consts(index_map)[0], skip=num_grid)

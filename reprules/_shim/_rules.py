@@ -19,7 +19,8 @@ import jax
 
 from reprules import _mode_state, _registry
 from reprules._decide import decide_call
-from reprules._errors import RegistrationError, ReprulesError, RuleError, UnsupportedJaxError, hidden_mesh_message
+from reprules._errors import (Finding, RegistrationError, ReprulesError, RuleError, UnsupportedJaxError,
+                             hidden_mesh_message)
 from reprules._registry import FfiTarget, KernelName, KernelPackage, Registration, lookup
 from reprules._shim import _bodies, _jax, _kernels, _types, infer
 from reprules.rules import Decision, RuleContext, VaryingSet
@@ -144,6 +145,19 @@ def inference_note(params: dict[str, Any], mesh_axes: Sequence[str]) -> str:
     if isinstance(found, Registration):
         return ""
     return infer.refusal_text(found, _kernels.kernel_name_from_params(params), mesh_axes, _jax.JAX_VERSION)
+
+
+def body_findings(params: dict[str, Any]) -> tuple[Finding, ...] | None:
+    """What the analysis of a ``pallas_call_p`` equation's kernel body finds that is not
+    local, for the advice of a MissingRuleError (also where inference is off: the advice
+    is then still what the body supports); ``None`` where there is no body to analyse."""
+    if params.get("jaxpr") is None:
+        return None
+    try:
+        found = infer.registration(params)
+    except Exception:  # advice only: never an error of its own
+        return None
+    return () if isinstance(found, Registration) else infer.findings(found)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reprules._errors import ReplicationMismatchError, fmt_axes
+from reprules._errors import ReplicationMismatchError, fmt_axes, mismatch_fix
 from reprules._registry import Registration
 from reprules import _mode_state
 from reprules._shim import _jax
@@ -107,8 +107,7 @@ def _report(kernel: str, rule: str, index: int, axis: str, mesh_axes: tuple[str,
         f"(mesh axes {fmt_axes(mesh_axes)}, JAX {_jax.JAX_VERSION}).\n"
         "Why: the rule promises JAX a replication the kernel does not deliver; JAX then skips "
         "collectives and gradients or out_specs=P() results are silently wrong.\n"
-        f"Fix: make the rule say the output varies over {axis!r} (e.g. rules.same() instead of "
-        "rules.invariant(...)), or make the kernel communicate over it."
+        + mismatch_fix(kernel, rule, index, axis)
     )
     with _lock:
         key = (kernel, index, axis)

@@ -220,6 +220,7 @@ class _Hooks:
                       "replicated, whatever its body writes; under inference reprules refuses "
                       "that rather than let an unproven type through",
             inference=infer.refusal_text(refusal, name, axes, _jax.JAX_VERSION),
+            findings=infer.findings(refusal),
         ))
 
     def _out_target(self, act: _Activation, index: int) -> frozenset[str]:
@@ -433,6 +434,7 @@ class _Hooks:
                                       "rule, or for inference, when the kernel was built)",
                             inference="" if found is None else infer.refusal_text(
                                 found, name, manual_axes(), _jax.JAX_VERSION),
+                            findings=_mpmd_findings(found, params, args),
                         ))
                     return original(*args, **params)
                 registered = [(None, found)]
@@ -534,6 +536,17 @@ def _outputs_of(avals: Any, count: int) -> _Outputs:
     if record is not None and record.avals is avals and len(record.honoured) == count:
         return record
     return _Outputs(avals=(), honoured=(False,) * count, let_through=(False,) * count)
+
+
+def _mpmd_findings(found: Registration | infer.Refusal | None, params: dict[str, Any],
+                   args: Any) -> tuple[_errors.Finding, ...] | None:
+    """What the bodies of an ``mpmd_map`` hold that is not local, for a MissingRuleError's
+    advice (analysed here where inference was off: ``found`` None)."""
+    try:
+        found = _kernel_inference.for_mpmd_call(params, args) if found is None else found
+    except Exception:  # advice only: never an error of its own
+        return None
+    return () if isinstance(found, Registration) else infer.findings(found)
 
 
 def _rule_less_body(body: Any, refusal: Exception) -> _errors.MissingRuleError:

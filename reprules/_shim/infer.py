@@ -20,14 +20,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from reprules import _decide
-from reprules._errors import fmt_axes
+from reprules._errors import Finding, fmt_axes
 from reprules._registry import Registration
 from reprules._shim import _jax, _kernels
 from reprules._shim._analysis import Refusal, index_map_reads, summarize
 from reprules.rules import Decision, RuleContext, VaryingSet
 
-__all__ = ["InferredRule", "Refusal", "for_kernel_bodies", "for_pallas_call", "kernel_registration", "own_axes",
-           "refusal_text", "registration", "rule_operands_start"]
+__all__ = ["InferredRule", "Refusal", "findings", "for_kernel_bodies", "for_pallas_call", "kernel_registration",
+           "own_axes", "refusal_text", "registration", "rule_operands_start"]
 
 
 # -- results -------------------------------------------------------------------
@@ -266,6 +266,11 @@ _registrations: weakref.WeakKeyDictionary[Any, list[tuple[Any, Any, Registration
     weakref.WeakKeyDictionary()
 )
 _lock = threading.Lock()
+
+
+def findings(refusal: Refusal) -> tuple[Finding, ...]:
+    """The equations ``refusal`` found not local (its survey, or itself), for an error's advice."""
+    return tuple(dict.fromkeys(Finding(r.kind, r.axes, f"`{r.primitive}`") for r in refusal.survey or (refusal,)))
 
 
 def refusal_text(refusal: Refusal, kernel: str, axes: Sequence[str], jax_version: str) -> str:

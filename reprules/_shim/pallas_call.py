@@ -272,7 +272,7 @@ class TypedPallasCall:
                     _errors.missing_rule_message(
                         _kernels.kernel_name_from_params(params), manual_axes(), _jax.JAX_VERSION,
                         jax_error=str(refusal), inference=_rules.inference_note(params, manual_axes()),
-                        site=_kernels.site_text(params),
+                        site=_kernels.site_text(params), findings=_rules.body_findings(params),
                     )
                 ) from refusal
         decided = None

@@ -88,6 +88,7 @@ def attach(op: Opaque, patches: Patches) -> None:
                 jax_error=str(jax_error),
                 inference=_rules.inference_note(params, manual_axes(mesh)) if op.prim is _jax.pallas_call_p() else "",
                 site=_kernels.site_text(params) if op.prim is _jax.pallas_call_p() else "",
+                findings=_rules.body_findings(params) if op.prim is _jax.pallas_call_p() else None,
             )
         )
         error.__cause__ = jax_error

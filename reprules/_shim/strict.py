@@ -108,18 +108,5 @@ def _exempt(primitive: Any, params: dict[str, Any]) -> bool:
 
 def _strict_message(primitive: Any, params: dict[str, Any], index: int, in_vary: frozenset[str], missing: frozenset[str]) -> str:
     opaque = _rules.describe(primitive)
-    kind, name = opaque.kind, opaque.name(params)
-    if kind == "FFI target":
-        fix = f"reprules.replication_rule(rules.same())(reprules.ffi_target({name!r}))"
-    elif kind == "primitive":
-        fix = f"reprules.replication_rule(rules.same())(<the {name!r} primitive>)"
-    else:
-        fix = f"reprules.replication_rule(rules.same())({name})"
-    return (
-        f"Strict mode: the {kind} {name!r} has inputs varying over {_errors.fmt_axes(in_vary)}, "
-        f"but JAX typed its output {index} as replicated over {_errors.fmt_axes(missing)} "
-        f"(mesh axes {_errors.fmt_axes(manual_axes())}, JAX {_jax.JAX_VERSION}).\n"
-        "Why: it has no replication rule, and its abstract eval drops the varying axes; JAX "
-        "would then accept out_specs that need replication and return one device's shard.\n"
-        f"Fix: give it a rule, e.g. `{fix}`."
-    )
+    return _errors.strict_message(opaque.kind, opaque.name(params), index, in_vary, missing, manual_axes(),
+                                  _jax.JAX_VERSION)
