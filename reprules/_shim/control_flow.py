@@ -236,5 +236,4 @@ def _holds_jaxpr(params: dict[str, Any]) -> bool:
 
 def _line(eqn: Any) -> str:
     """The user's line an equation was traced from."""
-    frame = _jax.source_info_util.user_frame(eqn.source_info)
-    return f"{frame.file_name}:{frame.start_line}" if frame is not None else "an unknown line"
+    return str(_jax.source_info_util.summarize(eqn.source_info))
