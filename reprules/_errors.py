@@ -201,6 +201,12 @@ class ReplicationMismatchError(ReprulesError, RuntimeError):
     """Verify mode found an output that differs across an axis its rule calls replicated."""
 
 
+class VerifyWarning(UserWarning):
+    """``reprules.verify()`` skipped a check JAX cannot lower where the kernel runs (a
+    ``vmap`` with ``spmd_axis_name``, a nested ``shard_map`` on JAX 0.6 - 0.9, a partially
+    manual one on 0.4): the program runs as without verify, the rule unchecked there."""
+
+
 class PatchWarning(ReprulesError, RuntimeWarning):
     """reprules left a JAX attribute that another library wrapped after it in place."""
 

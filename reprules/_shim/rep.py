@@ -140,9 +140,10 @@ def attach(op: Opaque, patches: Patches) -> None:
         outs = list(outs) if op.prim.multiple_results else [outs]
         reps = out_reps(decision, all_axes, len(outs))
         if _mode_state.verifying():
+            manual = manual_axes(mesh)
             _verify.insert_checks(
-                reg, outs, [all_axes - r for r in reps], manual_axes(mesh),
-                lambda x, axes: pbroadcast(x, axes),
+                reg, outs, [all_axes - r for r in reps], manual,
+                lambda x, axes: pbroadcast(x, axes), partial=len(manual) < len(all_axes),
             )
         return outs, reps
 
