@@ -34,6 +34,7 @@ from reprules._errors import ReprulesError as ReprulesError
 from reprules._errors import RuleError as RuleError
 from reprules._errors import StrictModeError as StrictModeError
 from reprules._errors import UnsupportedJaxError as UnsupportedJaxError
+from reprules._errors import VerifyWarning as VerifyWarning
 from reprules._modes import inference as inference
 from reprules._modes import strict as strict
 from reprules._modes import verify as verify
@@ -84,6 +85,7 @@ __all__ = [
     "TritonKernel",
     "UnsupportedJaxError",
     "VaryingSet",
+    "VerifyWarning",
     "ffi_target",
     "inference",
     "jax_patches",

@@ -367,6 +367,12 @@ def strict_message(kind: str, name: str, index: int, in_vary: Iterable[str], mis
     )
 
 
+class VerifyWarning(UserWarning):
+    """``reprules.verify()`` skipped a check JAX cannot lower where the kernel runs (a
+    ``vmap`` with ``spmd_axis_name``, a nested ``shard_map`` on JAX 0.6 - 0.9, a partially
+    manual one on 0.4): the program runs as without verify, the rule unchecked there."""
+
+
 class PatchWarning(ReprulesError, RuntimeWarning):
     """reprules left a JAX attribute that another library wrapped after it in place."""
 

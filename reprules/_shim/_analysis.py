@@ -452,13 +452,31 @@ def _written_operands(eqn: Any) -> frozenset[int]:
     (no mark is no proof of a read-only use)."""
     marked: dict[int, set[str]] = {}
     for effect in getattr(eqn, "effects", ()) or ():
-        index = getattr(effect, "input_index", None)
-        if isinstance(index, int):
+        for index in _effect_operands(eqn, effect):
             marked.setdefault(index, set()).add(type(effect).__name__)
     return frozenset(
         k for k, var in enumerate(eqn.invars)
         if _is_ref(var) and (k not in marked or marked[k] & {"WriteEffect", "AccumEffect"})
     )
+
+
+def _effect_operands(eqn: Any, effect: Any) -> tuple[int, ...]:
+    """The operand positions of ``eqn`` a JAX input effect (Read, Write, Accum) is on.
+
+    Up to 0.9 the effect holds the position (``input_index``). From 0.10 it holds
+    ``input``: the operand's ``Var`` in an equation (a position only in an abstract
+    eval), so a ``dma_start`` that only reads its source is marked so. Read as a
+    position, no ``Var`` matched, and every operand stayed unmarked, so written:
+    sound, but a body that only copied a captured ``Ref`` out was refused."""
+    index = getattr(effect, "input_index", None)  # <= 0.9
+    if isinstance(index, int):
+        return (index,)
+    target = getattr(effect, "input", None)  # 0.10+
+    if isinstance(target, int):
+        return (target,)
+    if target is None:
+        return ()
+    return tuple(k for k, var in enumerate(eqn.invars) if var is target)
 
 
 def _nested_jaxprs(params: dict[str, Any]) -> list[Any]:

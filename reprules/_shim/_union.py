@@ -62,10 +62,19 @@ def widen(field: TypeField, out_avals: Sequence[Any], derived: Sequence[frozense
     axes: this runs at every call of a registered kernel, where that is rare."""
     widened: dict[int, Any] = {}
     named: Subject | None = None
+    spmd: frozenset[str] | None = None
     for i, (aval, needed, keep) in enumerate(zip(out_avals, derived, kept)):
         have = field.varying(aval)
         missing = needed - have
         if not (keep and missing):
+            continue
+        if spmd is None:
+            spmd = frozenset(getattr(_jax.core.get_axis_env(), "spmd_axis_names", ()) or ())
+        if missing <= spmd and i not in aliased and can_widen:
+            # JAX's batching of a kernel under vmap(..., spmd_axis_name=...) copies the
+            # per-element output types, which lack the spmd axes every batched input
+            # varies over: JAX's own types, no annotation of the user's. Widened, silently.
+            widened[i] = field.retype(aval, have | needed)
             continue
         if named is None:
             named = subject()

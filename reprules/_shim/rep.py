@@ -47,6 +47,12 @@ def attach(op: Opaque, patches: Patches) -> None:
 
     jax_check = sm._check_rules.get(op.prim)  # type: ignore[attr-defined]  # JAX <= 0.5 only
     jax_rewrite = sm._rewrite_rules.get(op.prim)  # type: ignore[attr-defined]  # JAX <= 0.5 only
+    # A pallas_call has no transpose rule, so a cast of its inputs is never transposed
+    # into a psum: the rewrite leaves them as they are (as the vma era does). Each output
+    # then keeps the replication decided from the inputs as given: cast up for one
+    # output, a shared input would make JAX's check pass type every output that depends
+    # on it varying (out1 of a kernel returning (x * w, w + 1), w replicated).
+    casts = op.prim is not _jax.pallas_call_p()
 
     def decide_eqn(mesh: Any, in_rep: tuple[Any, ...], params: dict[str, Any], num_results: int | None = None
                    ) -> tuple[int, tuple[VaryingSet, ...], Decision, frozenset[str], Registration] | None:
@@ -70,8 +76,9 @@ def attach(op: Opaque, patches: Patches) -> None:
         # JAX's check pass decides again from the inputs as the rewrite cast them; where an
         # output depends on an input cast up for another output (a derived rule), decide
         # until the casts change nothing, so that both passes agree. Rules only ever add
-        # axes, so this ends; the bound only guards against a rule that does not.
-        for _ in range(len(all_axes) * (len(in_vary) + 1) + 1):
+        # axes, so this ends; the bound only guards against a rule that does not. Without
+        # casts (a pallas_call) both passes see the same inputs: nothing to reconcile.
+        for _ in range(len(all_axes) * (len(in_vary) + 1) + 1 if casts else 0):
             if decision.inputs is None or tuple(decision.inputs) == in_vary:
                 break
             again = decide(reg, ctx, tuple(decision.inputs))
@@ -126,7 +133,7 @@ def attach(op: Opaque, patches: Patches) -> None:
             raise missing(mesh, params)
         first, in_vary, decision, all_axes, reg = decided
         cast_args = list(args)
-        if decision.inputs is not None:
+        if casts and decision.inputs is not None:
             for i, (now, target) in enumerate(zip(in_vary, decision.inputs)):
                 if target - now:
                     cast_args[first + i] = pbroadcast(cast_args[first + i], tuple(sorted(target - now)))
@@ -134,9 +141,10 @@ def attach(op: Opaque, patches: Patches) -> None:
         outs = list(outs) if op.prim.multiple_results else [outs]
         reps = out_reps(decision, all_axes, len(outs))
         if _mode_state.verifying():
+            manual = manual_axes(mesh)
             _verify.insert_checks(
-                reg, outs, [all_axes - r for r in reps], manual_axes(mesh),
-                lambda x, axes: pbroadcast(x, axes),
+                reg, outs, [all_axes - r for r in reps], manual,
+                lambda x, axes: pbroadcast(x, axes), partial=len(manual) < len(all_axes),
             )
         return outs, reps
 
