@@ -315,6 +315,19 @@ def control_flow_message(what: str, site: str, axes: Sequence[str], missing: Seq
     )
 
 
+def out_specs_note(whats: Sequence[str], axes: Sequence[str], jax_version: str) -> str:
+    """Appended to JAX's out_specs replication error where reprules typed the values varying."""
+    listed = "\n".join(f"  * {w}" for w in whats)
+    return (
+        f"reprules (JAX {jax_version}): these values vary over {fmt_axes(axes)} because of calls that JAX alone "
+        f"types replicated while they differ per device; reprules typed them soundly:\n{listed}\n"
+        "Why: JAX alone would accept these out_specs and return one device's value, and so would "
+        "check_vma=False.\n"
+        f"Fix: keep {fmt_axes(axes)} in the out_specs of these outputs (a leading axis, e.g. P({axes[0]!r})), "
+        "or reduce them over those axes first (jax.lax.psum, jax.lax.all_gather), rather than turn checking off."
+    )
+
+
 class ReplicationMismatchError(ReprulesError, RuntimeError):
     """Verify mode found an output that differs across an axis its rule calls replicated."""
 

@@ -23,10 +23,10 @@ CORE = {"reprules._errors", "reprules.rules", "reprules._registry", "reprules._d
 SHIM_LAYERS = [
     {"_jax", "_patches", "_frames"},  # JAX's internals, patch bookkeeping
     {"_types", "_kernels", "_bodies"},  # varying axes per era; which kernel an equation is
-    {"_effects", "_analysis", "infer"},  # inference: a jaxpr in, a rule or a refusal out
+    {"_equations", "_effects", "_analysis", "infer"},  # inference: a jaxpr in, a rule or a refusal out
     {"_rules", "_taint", "_union"},  # the rule behind an equation; a bwd's cotangent taints; annotation unions
     {"_pallas_hooks", "pallas_call", "_kernel_inference", "core_map", "primitives", "strict", "_bwd_trace", "custom_vjp",
-     "_verify", "_source", "pcast", "opaque_types", "control_flow"},  # adapters
+     "_verify", "_source", "pcast", "opaque_types", "control_flow", "out_specs_note"},  # adapters
     {"rep", "rep_gaps", "custom_vjp_rep", "vma", "mat"},  # eras: choose and install
     {"__init__"},
 ]

@@ -37,6 +37,10 @@ from typing import Any
 import jax
 
 from reprules._shim import _jax
+from reprules._shim._equations import is_ref as _is_ref
+from reprules._shim._equations import is_type_cast as _is_type_cast
+from reprules._shim._equations import nested_jaxprs as _nested_jaxprs
+from reprules._shim._equations import written_operands as _written_operands
 from reprules._shim._effects import (
     DRAW, DRAWING_KEY_IMPLS, FRESH, KEYED, KNOWN_EFFECTS, OBSERVE, PURE, PURE_KEY_IMPLS, REFS, SEED, SEED_DRAW,
     SEEDING_KEY_IMPLS, tables,
@@ -96,10 +100,6 @@ def _named_axes(params: dict[str, Any]) -> tuple[str, ...] | None:
     value = params.get("axis_name", params.get("axes"))
     names = tuple(n for n in ((value,) if isinstance(value, str) else value or ()) if isinstance(n, str))
     return names or None
-
-
-def _is_ref(var: Any) -> bool:
-    return isinstance(getattr(var, "aval", None), _jax.AbstractRef)
 
 
 def _jaxpr_and_consts(value: Any) -> tuple[Any, Sequence[Any]]:
@@ -426,66 +426,6 @@ def _hi_expansion(eqn: Any) -> Any:
     except Exception as err:
         raise _refuse(eqn, f"is a high-level op ({type(hi).__name__}) whose expansion reprules could not "
                            f"trace ({type(err).__name__}), so its dataflow is unknown") from None
-
-
-def _is_type_cast(eqn: Any) -> bool:
-    """Whether a ``pvary`` or ``reshard`` equation only changes the type of a value
-    (which manual axes it is said to vary over), never the value: ``pvary``
-    (0.6 - 0.9), and ``reshard`` to a mesh whose axes are all manual with a spec
-    naming none (how JAX 0.10+ casts an operand up where types mix under
-    checking, e.g. in a kernel body reading a replicated operand)."""
-    if eqn.primitive.name == "pvary":
-        return True
-    target = eqn.params.get("dst_sharding")
-    mesh, spec = getattr(target, "mesh", None), getattr(target, "spec", None)
-    types = getattr(mesh, "axis_types", None)
-    if not types or spec is None:
-        return False
-    return (all(getattr(kind, "name", "") == "Manual" for kind in types)
-            and all(part is None for part in spec)
-            and not getattr(spec, "unreduced", None) and not getattr(spec, "reduced", None))
-
-
-def _written_operands(eqn: Any) -> frozenset[int]:
-    """The operand positions a REFS equation may write: those JAX marks with a
-    Write or Accum effect, and every ref operand it marks with no effect at all
-    (no mark is no proof of a read-only use)."""
-    marked: dict[int, set[str]] = {}
-    for effect in getattr(eqn, "effects", ()) or ():
-        for index in _effect_operands(eqn, effect):
-            marked.setdefault(index, set()).add(type(effect).__name__)
-    return frozenset(
-        k for k, var in enumerate(eqn.invars)
-        if _is_ref(var) and (k not in marked or marked[k] & {"WriteEffect", "AccumEffect"})
-    )
-
-
-def _effect_operands(eqn: Any, effect: Any) -> tuple[int, ...]:
-    """The operand positions of ``eqn`` a JAX input effect (Read, Write, Accum) is on.
-
-    Up to 0.9 the effect holds the position (``input_index``). From 0.10 it holds
-    ``input``: the operand's ``Var`` in an equation (a position only in an abstract
-    eval), so a ``dma_start`` that only reads its source is marked so. Read as a
-    position, no ``Var`` matched, and every operand stayed unmarked, so written:
-    sound, but a body that only copied a captured ``Ref`` out was refused."""
-    index = getattr(effect, "input_index", None)  # <= 0.9
-    if isinstance(index, int):
-        return (index,)
-    target = getattr(effect, "input", None)  # 0.10+
-    if isinstance(target, int):
-        return (target,)
-    if target is None:
-        return ()
-    return tuple(k for k, var in enumerate(eqn.invars) if var is target)
-
-
-def _nested_jaxprs(params: dict[str, Any]) -> list[Any]:
-    found = []
-    for value in params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
-                found.append(item)
-    return found
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from reprules import _errors
-from reprules._shim import _frames, _jax, opaque_types, strict
+from reprules._shim import _frames, _jax, opaque_types, out_specs_note, strict
 from reprules._shim._jax import core, lu, pe
 from reprules._shim._patches import Patches
 from reprules._shim._types import TypeField, cast_inputs, in_checked_shard_map, manual_axes
@@ -62,6 +62,8 @@ def _cond_bind(field: TypeField, bind: Callable[..., Any]) -> Callable[..., Any]
         short = bool(axes) and any(axes - field.varying(o) for o in outs)
         if (short or _retyped(field, avals, branches[0].in_avals)) and _values([*avals, *outs]):
             if short:
+                out_specs_note.record(f"a lax.cond / lax.switch whose predicate varies over {sorted(axes)} "
+                                      "(jax#40823)", axes)
                 operands = tuple(_cast(field, operands, avals, axes))
                 avals = [jax.typeof(o) for o in operands]
             targets = [field.varying(o) | axes for o in outs]
@@ -107,6 +109,8 @@ def _retype_loop(field: TypeField, args: Sequence[Any], cond_jaxpr: Any, body_ja
         axes = field.varying(cond_jaxpr.out_avals[0])
         if not (changed or any(axes - field.varying(a) for a in avals)):
             break
+        if any(axes - field.varying(a) for a in avals):
+            out_specs_note.record(f"a lax.while_loop whose predicate varies over {sorted(axes)} (jax#40823)", axes)
         carries = _cast(field, carries, avals, axes)
         avals = [jax.typeof(c) for c in carries]
         cond_jaxpr = _retrace(field, cond_jaxpr, [*cond_avals, *avals], None)

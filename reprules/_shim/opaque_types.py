@@ -4,8 +4,8 @@ From JAX 0.6 a primitive's abstract eval *is* its replication rule. JAX's own
 primitives follow ``standard_vma_rule`` (outputs vary over the union of the
 inputs' axes), but an opaque call is typed by whoever wrote it: a user
 ``Primitive`` whose abstract eval returns ``ShapedArray(shape, dtype)``,
-``ffi_call`` from 0.8.2 and ``jax.pure_callback`` / ``io_callback`` (their
-result shapes, replicated unless annotated), jax-triton's ``triton_call``.
+``ffi_call`` from 0.8.2 and ``jax.pure_callback`` (its
+result shapes, replicated whatever they say), jax-triton's ``triton_call``.
 Such an output is typed replicated while it differs per device:
 ``out_specs=P()`` returns one device's block, and a gradient through it
 misses its psum, silently, where checking off is right.
@@ -48,8 +48,7 @@ _JAX_OPAQUE = (
     ("jax._src.ffi", "ffi_call_p"),  # 0.5+ (reprules hooks it at activation too)
     ("jax._src.extend.ffi", "ffi_call_p"),  # 0.4.31 - 0.4.38
     ("jax._src.callback", "pure_callback_p"),
-    ("jax._src.callback", "io_callback_p"),
-)
+)  # not io_callback: JAX's Pallas TPU interpreter runs its simulation through it
 
 
 def widening_on() -> bool:
@@ -109,7 +108,7 @@ def _opaque(prim: Any) -> bool:
 
 
 def _describe(prim: Any) -> Opaque:
-    if prim in _jax.primitives(_JAX_OPAQUE[2:]):  # jax.pure_callback, jax.experimental.io_callback
+    if prim in _jax.primitives(_JAX_OPAQUE[2:]):  # jax.pure_callback
         return Opaque(prim=prim, kind="JAX callback", lookup=lambda params: None,
                       name=lambda params: prim.name, layout=lambda params, n: (0, None))
     return _rules.describe(prim)

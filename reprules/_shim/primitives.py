@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from reprules._shim import _kernels, _rules, _verify, opaque_types
+from reprules._shim import _kernels, _rules, _verify, opaque_types, out_specs_note
 from reprules._shim._patches import Patches
 from reprules._shim._rules import Opaque
 from reprules._shim._types import TypeField, call_axes, cast_inputs, in_checked_shard_map
@@ -83,6 +83,7 @@ def _bind_widened(field: TypeField, op: Opaque, abstract_eval: Any, bind: Any, a
     if union is None:
         return bind(*args, **params)
     opaque_types.warn(op, params, union, outs, field)
+    out_specs_note.record(f"the {op.kind} {op.name(params)!r}, which has no rule", union)
     in_vary = [field.varying(a) for a in avals[first:]]
     with call_axes(opaque_types.axes_here(field, avals[first:]), avals[first:]):
         cast = cast_inputs(args[first:], in_vary, [union] * len(in_vary))

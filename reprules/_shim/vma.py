@@ -26,7 +26,8 @@ The *mat* era (0.10+) is the same with another type field (``mat.py``).
 
 from __future__ import annotations
 
-from reprules._shim import _jax, _rules, control_flow, core_map, custom_vjp, opaque_types, pcast, primitives, strict
+from reprules._shim import (_jax, _rules, control_flow, core_map, custom_vjp, opaque_types, out_specs_note, pcast,
+                            primitives, strict)
 from reprules._shim._patches import Patches
 from reprules._shim._types import TypeField
 from reprules._shim.pallas_call import TypedPallasCall
@@ -62,6 +63,7 @@ class Regime:
         (installed at ``import reprules``, Pallas imported or not)."""
         opaque_types.install(self.field, patches, primitives.attach)
         control_flow.install(self.field, patches)
+        out_specs_note.install(patches)
 
     def attach(self, op: _rules.Opaque, patches: Patches) -> None:
         """Types the outputs of a user primitive, ``ffi_call`` or ``triton_call`` by its rule."""
