@@ -208,3 +208,13 @@ def test_pack_loads_on_import(tmp_path):
                          check=True, cwd=tmp_path).stdout.splitlines()
     assert out == ["[('reprules._builtin_packs.warp:warp', 'loaded')]",
                    "[(rules.same(), 'pack reprules._builtin_packs.warp:warp')]"]
+
+
+def test_pack_error_when_warp_moves_its_ffi_module(monkeypatch):
+    """A Warp without the classes the pack hooks: a LookupError naming them and the fix."""
+    from reprules._builtin_packs import warp as warp_pack
+
+    monkeypatch.setattr(warp_pack, "CLASSES", ("FfiKernel", "FfiKernelRenamed"))
+    with pytest.raises(LookupError, match=r"(?s)Warp .* has no FfiKernelRenamed: moved or renamed in Warp.*"
+                                          r"Fix: upgrade reprules.*reprules\.ffi_target\(wrapper\.name\)"):
+        warp_pack.warp(wp)
