@@ -153,6 +153,6 @@ def coverage(session: nox.Session) -> None:
     jax = JAX_MATRIX[-1]
     pins = (f"jax=={jax}", f"jaxlib=={jax}")
     _install(session, *pins, "-e", ".[test,tokamax]")
-    _install(session, "--no-deps", EJKERNEL, MAXTEXT)
-    _install(session, *pins, *EJKERNEL_IMPORTS, *MAXTEXT_IMPORTS)
+    _install(session, "--no-deps", EJKERNEL, MAXTEXT, KUPS)
+    _install(session, *pins, *EJKERNEL_IMPORTS, *MAXTEXT_IMPORTS, WARP, *KUPS_IMPORTS)
     session.run("python", ".ci/coverage/run.py", *session.posargs)
