@@ -58,9 +58,9 @@ def describe(target: Any) -> str:
     func = getattr(target, "func", None)  # FfiCallable: a Python function
     # jax_kernel(enable_backward=True) wraps the kernel in two functions of its own.
     closure = inspect.getclosurevars(func).nonlocals if inspect.isfunction(func) else {}
-    inner = closure.get("kernel")
-    if inner is not None and func.__name__ in ("fwd_kernel_wrapper", "bwd_kernel_wrapper"):
-        launch = "forward" if func.__name__ == "fwd_kernel_wrapper" else "adjoint"
+    inner, name = closure.get("kernel"), getattr(func, "__name__", "")
+    if inner is not None and name in ("fwd_kernel_wrapper", "bwd_kernel_wrapper"):
+        launch = "forward" if name == "fwd_kernel_wrapper" else "adjoint"
         return f"Warp kernel {getattr(inner, 'key', inner)!r} ({launch} launch of wp.jax_kernel(enable_backward=True))"
     return f"Python function {getattr(func, '__qualname__', func)!r} (wp.jax_callable)"
 
