@@ -48,6 +48,11 @@ EJKERNEL_IMPORTS = ["beartype", "chex", "einops", "pydantic", "tqdm"]
 # import these, which bring only pure-Python packages (no transformers, grain or tensorflow).
 MAXTEXT = "maxtext==0.2.5"
 MAXTEXT_IMPORTS = ["aqtp", "jinja2", "pathwaysutils"]
+# NVIDIA Warp runs its kernels on CPU (its wheel brings only numpy). kups pins dependencies that
+# conflict with the newest JAX (and brings ase, h5py, matplotlib...): installed without them.
+WARP = "warp-lang==1.19.0"
+KUPS = "kups==1.0.8"
+KUPS_IMPORTS = ["slub"]
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -73,6 +78,10 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
         # without dependencies, then what its kernel modules import, with the JAX above kept.
         _install(session, "--no-deps", MAXTEXT)
         _install(session, *MAXTEXT_IMPORTS, f"jax=={jax}", f"jaxlib=={jax}")
+        # Warp (tests/test_warp.py) and kups (tests/test_kups.py): kups without its pins, with the
+        # one package its primitives' modules import (slub, which asks only for jax).
+        _install(session, WARP, *KUPS_IMPORTS, f"jax=={jax}", f"jaxlib=={jax}")
+        _install(session, "--no-deps", KUPS)
     # The soundness fuzzer (tests/test_fuzz_inference.py): a seed that changes between runs,
     # printed here so that a failure can be replayed; 300 kernels on the newest JAX, 100 elsewhere.
     seed = os.environ.get("REPRULES_FUZZ_SEED") or str(int(time.time()) % 2**31)
@@ -144,6 +153,6 @@ def coverage(session: nox.Session) -> None:
     jax = JAX_MATRIX[-1]
     pins = (f"jax=={jax}", f"jaxlib=={jax}")
     _install(session, *pins, "-e", ".[test,tokamax]")
-    _install(session, "--no-deps", EJKERNEL, MAXTEXT)
-    _install(session, *pins, *EJKERNEL_IMPORTS, *MAXTEXT_IMPORTS)
+    _install(session, "--no-deps", EJKERNEL, MAXTEXT, KUPS)
+    _install(session, *pins, *EJKERNEL_IMPORTS, *MAXTEXT_IMPORTS, WARP, *KUPS_IMPORTS)
     session.run("python", ".ci/coverage/run.py", *session.posargs)

@@ -42,7 +42,10 @@ LIBRARIES = {  # name -> (case module, import name that says it is installed, ti
     "ejkernel": ("cases_ejkernel", "ejkernel", "ejkernel (`ejkernel.kernels._pallas.tpu`)"),
     "tokamax": ("cases_tokamax", "tokamax", "tokamax"),
     "maxtext": ("cases_maxtext", "maxtext", "MaxText's kernels (`maxtext.kernels`)"),
+    "warp": ("cases_warp", "warp", "NVIDIA Warp (`wp.jax_kernel`, `wp.jax_callable`)"),
+    "kups": ("cases_kups", "kups", "kups (`kups.core.utils.segment`)"),
 }
+DISTRIBUTIONS = {"warp": "warp-lang"}  # import name -> distribution, where they differ
 TIMEOUT_S = 300
 
 
@@ -223,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     for library in libraries:
         package = LIBRARIES[library][1]
         installed = importlib.util.find_spec(package) is not None
-        versions[library] = _version(package) if installed else None
+        # Warp's distribution is warp-lang, imported as warp.
+        versions[library] = _version(DISTRIBUTIONS.get(package, package)) if installed else None
         if not installed:
             continue
         for op in _cases_module(library).CASES:
