@@ -226,14 +226,18 @@ def test_triton_kernel_without_jax_triton(monkeypatch):
 
 
 @pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 refuses a rule-less primitive under check_rep")
-def test_registering_a_primitive_rule_after_tracing_is_not_stale():
-    """Without a rule, JAX >= 0.6 types the primitive's output replicated and
-    accepts ``out_specs=P()`` (returning one device's shard); the jitted step
-    is cached so. Registering the rule must retype the *same* jitted step."""
+def test_registering_a_primitive_rule_after_tracing_is_not_stale(monkeypatch):
+    """Without a rule and with JAX's typing (``REPRULES_SOUND_TYPES=0``), JAX >= 0.6
+    types the primitive's output replicated and accepts ``out_specs=P()`` (returning
+    one device's shard); the jitted step is cached so. Registering the rule must
+    retype the *same* jitted step."""
     mesh = make_mesh()
     x = put(randn(0, (8, 128)), mesh, P("data", None))
     step = jax.jit(shard_map(copy_p.bind, mesh, P("data", None), P(None, None)))
+    monkeypatch.setenv("REPRULES_SOUND_TYPES", "0")
+    jax.clear_caches()
     assert step(x).shape == (2, 128)  # the hazard: silently one shard
+    monkeypatch.delenv("REPRULES_SOUND_TYPES")
     reprules.replication_rule()(copy_p)
     with pytest.raises(ValueError, match="out_specs"):
         step(x)

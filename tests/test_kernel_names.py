@@ -107,6 +107,6 @@ def test_a_missing_rule_fix_names_a_python_function(setup, no_inference):
         jax.jit(shard_map(call, mesh, P("data", None), P("data", None)))(x)
     message = str(info.value)
     defined = re.findall(r"def (\S+)\(\.\.\.\)", message)
-    called = re.findall(r"replication_rule\(rules\.same\(\)\)\((\S+)\)`", message)
+    called = re.findall(r"replication_rule\(rules\.same\(\)\)\((\S+)\)", message)
     assert defined and called and all(n.isidentifier() for n in defined + called), message
     assert f"JAX {jax.__version__}" in message and "'data', 'model'" in message
