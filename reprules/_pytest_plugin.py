@@ -123,13 +123,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> str:
     from reprules import _mode_state  # lazy: the plugin loads in every pytest run (a leaf: no JAX)
 
-    text = f"reprules {_version('reprules')}; JAX {_version('jax')}"
-    if _inference_requested(config):
-        text += "; inference on"
-    elif not _mode_state.inferring_by_default():
-        text += "; inference off"
-    else:
-        text += "; inference where JAX would refuse"
+    mode = "all" if _inference_requested(config) else _mode_state.inference_mode()
+    text = f"reprules {_version('reprules')}; JAX {_version('jax')}; {_mode_state.INFERENCE_TEXT[mode]}"
     n, _ = _requested_devices(config)
     if "jax" in sys.modules or n is not None:
         import jax

@@ -172,9 +172,9 @@ def test_default_audit_json(capsys):
     out, err = capsys.readouterr()
     assert err == ""
     doc = json.loads(out)
-    assert doc["schema_version"] == _cli.SCHEMA_VERSION == 1
+    assert doc["schema_version"] == _cli.SCHEMA_VERSION == 2
     assert doc["target"] is None and doc["jax"] == jax.__version__ and doc["reprules"] == reprules.__version__
-    assert doc["inference"] is False and doc["unmatched_kernel_names"] == []
+    assert doc["inference"] == "default" and doc["unmatched_kernel_names"] == []
     assert doc["devices"] == 8 and doc["mesh"] == {"data": 4, "model": 2}
     by = {w["name"]: w for w in doc["workloads"]}
     assert set(by) == {"issue21855", "tp_mlp", "layer_norm"}
@@ -216,7 +216,7 @@ def test_user_target_off_vs_on(target, capsys):
 def test_user_target_off_vs_on_json(target, capsys):
     assert _cli.main(["audit", f"{target}:compared", "--json", "--quiet"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["schema_version"] == 1 and doc["target"] == f"{target}:compared"
+    assert doc["schema_version"] == 2 and doc["target"] == f"{target}:compared"
     (w,) = doc["workloads"]
     assert w["name"] == "copy_step" and w["error"] is None and "given" not in w
     assert (w["off"]["count"], w["off"]["defensive_count"], w["off"]["defensive_bytes"]) == (1, 1, 1024)
@@ -241,11 +241,35 @@ def test_infer_covers_the_unruled_target(target, capsys, tmp_path):
     assert _cli.main(["audit", f"{target}:unruled", "--infer", "--json", "--quiet"]) == 0
     doc = json.loads(capsys.readouterr().out)
     (w,) = doc["workloads"]
-    assert doc["inference"] is True and w["error"] is None
+    assert doc["inference"] == "all" and w["error"] is None
     (off,), (on,) = w["off"]["kernels"], w["on"]["kernels"]
     assert (off["covered_by"], off["inference"]) == ("none", {"covers": True, "rule": "inferred(out0 <- [0])"})
     assert (on["covered_by"], on["has_rule"], on["inference"]) == ("inference", True, None)
     assert w["on"]["max_error"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["default", "off"])
+def test_mode_line_json_html_and_rows_agree(target, capsys, tmp_path, mode):
+    """Issue 36: the header said `inference off` and the JSON `false` while a row said `covered by
+    inference`. One source: the mode the reprules side was traced in, in text, JSON and HTML."""
+    import contextlib
+
+    text = {"default": "inference where JAX would refuse", "off": "inference off"}[mode]
+    page = tmp_path / "report.html"
+    with reprules.inference(False) if mode == "off" else contextlib.nullcontext():
+        code = _cli.main(["audit", f"{target}:unruled", "--quiet", "--html", str(page)])
+        out = capsys.readouterr().out
+        assert _cli.main(["audit", f"{target}:unruled", "--json", "--quiet"]) == code
+        doc = json.loads(capsys.readouterr().out)
+    assert out.splitlines()[1] == f"mode: {text}", out
+    assert doc["inference"] == mode and f"{text} · " not in page.read_text() and f"· {text}" in page.read_text()
+    (w,) = doc["workloads"]
+    if mode == "default":  # JAX would refuse the rule-less kernel: inference covers it, and says so
+        assert code == 0 and [k["covered_by"] for k in w["on"]["kernels"]] == ["inference"]
+        assert re.search(r"\n +user_copy_kernel +pallas_call +2 +inferred\(out0 <- \[0\]\) +inference ", out), out
+    else:  # no inference anywhere: the checked step fails, and no row says `inference`
+        assert code == 1 and "MissingRuleError" in w["error"] and "on" not in w
+        assert [k["covered_by"] for k in w["off"]["kernels"]] == ["none"]
 
 
 def test_rules_by_name_and_names_that_match_nothing(target, capsys):
