@@ -2,7 +2,8 @@
 
 With no target, audits the bundled workloads on 8 fake CPU devices, side by
 side with checking off vs with reprules. With ``module:callable``, audits the
-user's step, also side by side when the callable takes ``check`` (protocol in
+user's step (or ``path/to/file.py[:callable]``; the callable defaults to ``audit_step``),
+also side by side when the callable takes ``check`` (protocol in
 :mod:`reprules._audit_target`). Progress goes to stderr, results to stdout
 (``--json`` for machines, :data:`SCHEMA_VERSION`); ``--html FILE`` also writes
 the report as one self-contained page (:mod:`reprules._audit_html`);
@@ -101,13 +102,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Audit the collectives of training steps. With no TARGET, audits the bundled\n"
         "workloads (JAX #21855, a tensor-parallel MLP with a Pallas matmul, JAX's Pallas\n"
         "layer_norm), checking off vs reprules.",
-        epilog="TARGET: `module:callable`. The callable returns (step, args), (step, args, kwargs),\n"
-        "or a mapping with 'step', 'args' and optional 'kwargs', 'name', 'reference' (a\n"
-        "zero-argument callable giving the expected output). If it takes a `check` argument,\n"
+        epilog="TARGET: `module[:callable]` or `path/to/file.py[:callable]` (callable: `audit_step`\n"
+        "when left out; a file is run as a module of its own). The callable returns\n"
+        "(step, args), (step, args, kwargs), or a mapping with 'step', 'args' and optional\n"
+        "'kwargs', 'name', 'reference' (a zero-argument callable giving the expected output).\n"
+        "If it takes a `check` argument,\n"
         "it is called with check=False (shard_map checking off) and check=True (checking on,\n"
         "rules registered) and the two steps are compared; otherwise its step is audited as\n"
         "given.\n\n" + _EXIT_HELP)
-    audit.add_argument("target", nargs="?", help="module:callable returning (step, args)")
+    audit.add_argument("target", nargs="?",
+                       help="module[:callable] or path/to/file.py[:callable] (default callable: audit_step) "
+                            "returning (step, args)")
     audit.add_argument("--json", action="store_true",
                        help=f"print one JSON document on stdout (schema_version {SCHEMA_VERSION})")
     audit.add_argument("--html", metavar="FILE",

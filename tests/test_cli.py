@@ -125,6 +125,7 @@ def target(tmp_path, monkeypatch):
     (tmp_path / "user_steps.py").write_text(TARGET)
     (tmp_path / "broken_steps.py").write_text("raise ValueError('bad config')\n")
     (tmp_path / "named_steps.py").write_text(NAMED)
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit('needs equinox')\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "user_steps"
@@ -363,7 +364,12 @@ def test_user_target_json_and_needed_all_reduce(target, capsys):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("user_steps", "is not of the form module:callable"),
+        ("named_steps", r"(?s)Module 'named_steps' has no attribute 'audit_step' \(the default, as the target "
+                        r"names none\).*Fix: .*named_steps:my_step.*def audit_step\(check=True\)"),
+        ("missing_steps.py", r"(?s)no file 'missing_steps.py'.*Fix: check the path"),
+        ("broken_steps.py:f", r"(?s)Running file 'broken_steps.py' of target 'broken_steps.py:f' raised ValueError: "
+                              r"bad config.*Fix: run `python broken_steps.py`"),
+        ("exits.py", r"(?s)Running file 'exits.py' .* raised SystemExit: needs equinox"),
         ("no_such_module_xyz:f", "Cannot import module 'no_such_module_xyz'"),
         ("broken_steps:f", r"(?s)Importing module 'broken_steps' of target 'broken_steps:f' raised ValueError: "
                            r"bad config.*Fix: run `python -c 'import broken_steps'`"),
@@ -380,6 +386,24 @@ def test_bad_targets_are_usage_errors(target, capsys, spec, message):
     assert err.startswith("reprules audit: error:")
     assert "Traceback" not in err
     assert re.search(message, err)
+
+
+def test_a_file_target_named_with_a_digit_and_the_default_callable(target, capsys, tmp_path):
+    """Issue 36: `reprules audit examples/01_issue21855.py` said `is not of the form module:callable`.
+    A path (its file name need not be a module name) and a module each take `:callable` or
+    default to `audit_step`."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "01_steps.py").write_text(TARGET)
+    assert _cli.main(["audit", "sub/01_steps.py:compared", "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (w,) = doc["workloads"]
+    assert doc["target"] == "sub/01_steps.py:compared" and w["name"] == "copy_step" and w["error"] is None
+    assert (w["off"]["defensive_count"], w["on"]["defensive_count"], w["on"]["max_error"]) == (1, 0, 0.0)
+    assert w["on"]["kernels"][0]["source"].endswith("01_steps.py:" + w["on"]["kernels"][0]["source"].split(":")[-1])
+    for spec in (str(tmp_path / "sub" / "01_steps.py"), "user_steps"):  # no callable: audit_step
+        assert _cli.main(["audit", spec, "--quiet"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"reprules audit of {spec}:") and "audited as given" in out, out
 
 
 def test_a_target_that_raises_is_a_failure_without_traceback(target, capsys):
