@@ -277,7 +277,7 @@ def sound_type_message(kind: str, name: str, site: str, short: Iterable[str], ty
     at = f" (called at {site})" if site else ""
     typed_text, short_text = fmt_axes(typed), fmt_axes(short)
     if target:
-        fix = (f"declare how it varies, to silence this: `from reprules import rules` and "
+        fix = (f"declare how it varies, to silence this: `import reprules`, `from reprules import rules` and "
                f"`reprules.replication_rule(rules.same())({target})` if it computes each output from its "
                f"inputs' values (as typed now); `rules.invariant({sorted(short)[0]!r})` instead if it all-reduces "
                "over that axis itself (check the choice with `with reprules.verify():`)")
