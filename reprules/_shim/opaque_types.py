@@ -26,6 +26,7 @@ compute and are never touched.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -38,17 +39,28 @@ from reprules._shim._rules import Opaque
 from reprules._shim._types import TypeField, call_axes, checking, hidden_axes, manual_axes
 
 _lock = threading.RLock()
-_seen: set[Any] = set()  # every primitive bound under checking since activation: classified once
+_seen: set[Any] = set()  # every primitive bound under checking since install: classified once
 _implicit: dict[Any, Patches] = {}  # rule-less opaque primitives hooked by this module
 _warned: set[tuple[str, str]] = set()  # (primitive, site): one warning per call site
 _jax_defined: set[int] = set()  # ids of the primitives some jax module defines (refreshed on a miss)
 
 # JAX's own primitives whose outputs are typed by the caller's result shapes.
-_JAX_OPAQUE = (
+_JAX_FFI = (
     ("jax._src.ffi", "ffi_call_p"),  # 0.5+ (reprules hooks it at activation too)
     ("jax._src.extend.ffi", "ffi_call_p"),  # 0.4.31 - 0.4.38
-    ("jax._src.callback", "pure_callback_p"),
-)  # not io_callback: JAX's Pallas TPU interpreter runs its simulation through it
+)
+_JAX_CALLBACKS = (("jax._src.callback", "pure_callback_p"),)  # not io_callback: JAX's Pallas
+# TPU interpreter runs its simulation through it
+
+
+@functools.cache
+def _jax_callbacks() -> frozenset[Any]:
+    return _jax.primitives(_JAX_CALLBACKS)
+
+
+@functools.cache
+def _jax_opaque() -> frozenset[Any]:
+    return _jax.primitives(_JAX_FFI) | _jax_callbacks()
 
 
 def widening_on() -> bool:
@@ -99,7 +111,7 @@ def _forget_all() -> None:
 
 
 def _opaque(prim: Any) -> bool:
-    if prim in _jax.primitives(_JAX_OPAQUE):
+    if prim in _jax_opaque():
         return True
     if id(prim) in _jax_defined:
         return False
@@ -108,7 +120,7 @@ def _opaque(prim: Any) -> bool:
 
 
 def _describe(prim: Any) -> Opaque:
-    if prim in _jax.primitives(_JAX_OPAQUE[2:]):  # jax.pure_callback
+    if prim in _jax_callbacks():  # jax.pure_callback
         return Opaque(prim=prim, kind="JAX callback", lookup=lambda params: None,
                       name=lambda params: prim.name, layout=lambda params, n: (0, None))
     return _rules.describe(prim)
