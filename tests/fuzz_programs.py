@@ -280,13 +280,22 @@ class _Writer:
         self.tags.append(f"{kind}:constant")
         return {"cond": "True", "switch": "1", "while": "2.0"}[kind]
 
+    def branch(self, a: str, b: str, ctx: set[str], depth: int = 0) -> str:
+        """A cond / switch branch: often mixing in both values (times zero), so that branches
+        agree on how they vary where JAX (0.8+) asks them to, rather than being refused."""
+        expr = self.leaf(a, b, ctx, depth)
+        if self.rng.random() < 0.6:
+            self.tags.append("branch:mixed")
+            return f"{expr} + ({a} + {b}) * 0.0"
+        return expr
+
     def nested_cond(self, a: str, b: str, ctx: set[str], depth: int) -> str:
         self.tags.append("nested")
         self.loop = "cond"
         pred = self.predicate([a, b], "cond")
         self.tags.append("cond")
-        return (f"jax.lax.cond({pred}, lambda: {self.leaf(a, b, ctx, depth)}, "
-                f"lambda: {self.leaf(b, a, ctx, depth)})")
+        return (f"jax.lax.cond({pred}, lambda: {self.branch(a, b, ctx, depth)}, "
+                f"lambda: {self.branch(b, a, ctx, depth)})")
 
     # statements -------------------------------------------------------------------
     def statement(self, kind: str | None = None, of: str | None = None) -> None:
@@ -304,15 +313,15 @@ class _Writer:
             self.loop = "cond"
             pred = self.predicate([a, b], "cond")
             if self.rng.random() < 0.5:  # branches close over the values
-                text = f"jax.lax.cond({pred}, lambda: {self.leaf(a, b, set())}, lambda: {self.leaf(b, a, set())})"
+                text = f"jax.lax.cond({pred}, lambda: {self.branch(a, b, set())}, lambda: {self.branch(b, a, set())})"
             else:  # the values as operands
                 self.tags.append("cond:operands")
-                text = (f"jax.lax.cond({pred}, lambda a, b: {self.leaf('a', 'b', set())}, "
-                        f"lambda a, b: {self.leaf('b', 'a', set())}, {a}, {b})")
+                text = (f"jax.lax.cond({pred}, lambda a, b: {self.branch('a', 'b', set())}, "
+                        f"lambda a, b: {self.branch('b', 'a', set())}, {a}, {b})")
         elif kind == "switch":
             self.loop = "cond"
             index = self.predicate([a, b], "switch")
-            branches = [self.leaf(*self.rng.sample([a, b], 2), set()) for _ in range(self.rng.randint(2, 3))]
+            branches = [self.branch(*self.rng.sample([a, b], 2), set()) for _ in range(self.rng.randint(2, 3))]
             text = f"jax.lax.switch({index}, [{', '.join(f'lambda: {br}' for br in branches)}])"
         elif kind == "while":
             self.loop = "while"
@@ -588,8 +597,8 @@ def _global_shape(axes: tuple[str, ...]) -> tuple[int, int]:
 def inputs_for(program: Program) -> tuple[list[Any], list[Any]]:
     """Global inputs (every device's block differs) and the outputs' cotangents."""
     rng = np.random.default_rng([program.seed, program.index])
-    xs = [jnp.asarray(rng.standard_normal(_global_shape(a)), jnp.float32) for a in program.inputs]
-    ts = [jnp.asarray(rng.standard_normal(_global_shape(a)), jnp.float32) for a in program.out_specs]
+    xs = [rng.standard_normal(_global_shape(a)).astype(np.float32) for a in program.inputs]
+    ts = [rng.standard_normal(_global_shape(a)).astype(np.float32) for a in program.out_specs]
     return xs, ts
 
 
@@ -745,77 +754,83 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0][:300] if text else ''}"
 
 
-def check(program: Program, mesh: Any) -> Outcome:
-    """Runs ``program`` three ways and compares (see the module's docstring)."""
+def check(program: Program, mesh: Any, thorough: bool = False) -> Outcome:
+    """Runs ``program`` three ways and compares (see the module's docstring).
+
+    Checking on is traced first: a program it refuses is not run (``thorough``:
+    its reference and checking off still are, to check the generator)."""
     out = Outcome()
     xs, ts = inputs_for(program)
-    try:
-        with namespace(program, real=False) as ns:
-            want, want_grads, devices = reference(program, ns["body"], xs, ts)
-    except Exception as err:
-        out.errors.append(f"the reference cannot run it: {_first_line(err)}")
-        return out
-    claims = []  # (output, axis): out_specs claims replication over an axis where the values differ
-    vary = program.varying()
-    for j, (axes, var) in enumerate(zip(program.out_specs, program.outputs)):
-        for axis in AXES:
-            if axis not in axes and _differs_across(devices[j], axis):
-                claims.append((j, axis))
-                if axis not in vary[var]:  # the generator's typing is unsound: its fault
-                    out.errors.append(f"output {j} varies over {axis!r}, which the generator missed")
-    if out.errors:
-        return out
     with namespace(program, real=True) as ns:
         body = ns["body"]
         try:
-            lowered = _sharded(program, body, mesh, ts, check=False).lower(*xs)
-            if any(u[1] & program.steering_axes() for u in collectives_under_branches(lowered.as_text())):
-                out.errors.append("checking off puts a collective inside a branch: the generator's fault")
-                return out
-            off_outs, off_grads = lowered.compile()(*xs)
-        except Exception as err:
-            out.errors.append(f"checking off cannot run it: {_first_line(err)}")
-            return out
-        try:
             with _mode(program.mode):
-                lowered = _sharded(program, body, mesh, ts, check=True).lower(*xs)
-                compiled = lowered.compile()
+                on = _sharded(program, body, mesh, ts, check=True).lower(*xs)
         except reprules.ReprulesError as err:
             out.refused, out.refused_by = _first_line(err), "reprules"
         except Exception as err:  # JAX refused while tracing or lowering
             out.refused, out.refused_by = _first_line(err), "jax"
-        if out.refused is None:
-            steered = program.steering_axes()
-            under = [u for u in collectives_under_branches(lowered.as_text()) if u[1] & steered]
-            if under:  # not run: it would hang
+        if out.refused is not None and not thorough:
+            return out
+        try:
+            with namespace(program, real=False) as reference_ns:
+                want, want_grads, devices = reference(program, reference_ns["body"], xs, ts)
+        except Exception as err:
+            out.errors.append(f"the reference cannot run it: {_first_line(err)}")
+            return out
+        claims = []  # (output, axis): out_specs claims replication over an axis where the values differ
+        vary = program.varying()
+        for j, (axes, var) in enumerate(zip(program.out_specs, program.outputs)):
+            for axis in AXES:
+                if axis not in axes and _differs_across(devices[j], axis):
+                    claims.append((j, axis))
+                    if axis not in vary[var]:  # the generator's typing is unsound: its fault
+                        out.errors.append(f"output {j} varies over {axis!r}, which the generator missed")
+        if out.errors:
+            return out
+        for j, axis in claims:
+            if out.refused is None:
                 out.counterexamples.append(
-                    f"checking on puts a collective over {sorted(under[0][1])} inside a cond/switch/while "
-                    f"whose predicate varies over {sorted(steered)} (devices wait on each other forever, or "
-                    f"pair with another branch's): {under[0][0]}")
+                    f"output {j} ({program.outputs[j]}) differs across {axis!r}, yet checking on accepted "
+                    f"out_specs {_spec_text(program.out_specs[j])} (it returns one device's value)")
+        if claims and not thorough:  # gradients of nothing well defined: nothing more to compare
+            return out
+        steered = program.steering_axes()
+        try:
+            off = _sharded(program, body, mesh, ts, check=False).lower(*xs)
+            if any(u[1] & steered for u in collectives_under_branches(off.as_text())):
+                out.errors.append("checking off puts a collective inside a branch: the generator's fault")
                 return out
-            try:
-                on_outs, on_grads = compiled(*xs)
-            except reprules.ReprulesError as err:  # e.g. REPRULES_VERIFY=1: a kernel broke its rule
-                out.refused, out.refused_by = _first_line(err), "reprules"
-            except Exception as err:
-                out.errors.append(f"checking on accepted it, then raised {_first_line(err)}")
-                return out
-    for j, axis in claims:
-        if out.refused is None:
+            off_outs, off_grads = off.compile()(*xs)
+        except Exception as err:
+            out.errors.append(f"checking off cannot run it: {_first_line(err)}")
+            return out
+        if out.refused is not None or claims:
+            return out
+        under = [u for u in collectives_under_branches(on.as_text()) if u[1] & steered]
+        if under:  # not run: it would hang
             out.counterexamples.append(
-                f"output {j} ({program.outputs[j]}) differs across {axis!r}, yet checking on accepted "
-                f"out_specs {_spec_text(program.out_specs[j])} (it returns one device's value)")
-    if claims:  # values where the claims hold, gradients of nothing well defined
-        return out
+                f"checking on puts a collective over {sorted(under[0][1])} inside a cond/switch/while "
+                f"whose predicate varies over {sorted(steered)} (devices wait on each other forever, or "
+                f"pair with another branch's): {under[0][0]}")
+            return out
+        try:
+            on_outs, on_grads = on.compile()(*xs)
+        except reprules.ReprulesError as err:  # e.g. REPRULES_VERIFY=1: a kernel broke its rule
+            out.refused, out.refused_by = _first_line(err), "reprules"
+            return out
+        except Exception as err:
+            out.errors.append(f"checking on accepted it, then raised {_first_line(err)}")
+            return out
     for j, y in enumerate(want):
         if not _close(off_outs[j], y):
             out.off_wrong.append(f"output {j} with checking off")
-        if out.refused is None and not _close(on_outs[j], y):
+        if not _close(on_outs[j], y):
             out.counterexamples.append(f"output {j} ({program.outputs[j]}) differs from the reference")
     for i, g in enumerate(want_grads):
         if not _close(off_grads[i], g):
             out.off_wrong.append(f"gradient of x{i} with checking off")
-        if out.refused is None and not _close(on_grads[i], g):
+        if not _close(on_grads[i], g):
             agrees = " (checking off agrees with the reference)" if _close(off_grads[i], g) else ""
             out.counterexamples.append(
                 f"gradient of x{i} ({_spec_text(program.inputs[i])}) differs from the reference{agrees}: "
@@ -901,7 +916,7 @@ def classify(program: Program) -> str:
 
 
 def run(seed: int, count: int, start: int = 0, out: Any = sys.stdout, shrink: bool = False,
-        verbose: bool = False) -> dict[str, Any]:
+        verbose: bool = False, thorough: bool = False) -> dict[str, Any]:
     """Checks ``count`` programs; prints each counterexample and error; returns counts."""
     mesh = make_mesh()
     counts: dict[str, Any] = {"programs": 0, "refused_reprules": 0, "refused_jax": 0, "accepted": 0,
@@ -910,7 +925,7 @@ def run(seed: int, count: int, start: int = 0, out: Any = sys.stdout, shrink: bo
         program = generate(seed, index)
         counts["programs"] += 1
         try:
-            got = check(program, mesh)
+            got = check(program, mesh, thorough=thorough)
         except Exception as err:  # a raw error in the harness: reported like a counterexample
             got = Outcome(errors=[f"raised {_first_line(err)}"])
         if got.errors:
@@ -928,9 +943,8 @@ def run(seed: int, count: int, start: int = 0, out: Any = sys.stdout, shrink: bo
             small = minimize(program, mesh) if shrink else program
             kind = classify(small)
             counts["classes"][kind] = counts["classes"].get(kind, 0) + 1
-            print(f"COUNTEREXAMPLE [{kind}] {got.counterexamples}\n{program.describe()}", file=out)
-            if shrink:
-                print(f"minimized:\n{small.source}", file=out)
+            shrunk = f"minimized to:\n{small.source}" if shrink else ""
+            print(f"COUNTEREXAMPLE [{kind}] {got.counterexamples}\n{program.describe()}{shrunk}", file=out)
     return counts
 
 
@@ -943,10 +957,13 @@ if __name__ == "__main__":
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--minimize", action="store_true", help="shrink each counterexample before classifying it")
     parser.add_argument("--verbose", action="store_true", help="print every refusal too")
+    parser.add_argument("--thorough", action="store_true",
+                        help="run the reference and checking off of refused programs too (checks the generator)")
     options = parser.parse_args()
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         sys.exit("set XLA_FLAGS=--xla_force_host_platform_device_count=8 first")
     began = time.time()
     print(f"JAX {jax.__version__}, seed {options.seed}, programs {options.start}..{options.start + options.count - 1}")
-    counts = run(options.seed, options.count, options.start, shrink=options.minimize, verbose=options.verbose)
+    counts = run(options.seed, options.count, options.start, shrink=options.minimize, verbose=options.verbose,
+                 thorough=options.thorough)
     print(f"{counts} in {time.time() - began:.0f} s")
