@@ -267,7 +267,7 @@ class _Writer:
             if kind == "cond":
                 return f"{index} == {self.rng.randrange(SIZES[axis])}"
             return f"{index} % 3" if kind == "switch" else f"{index} + 1.0"
-        if roll < 0.85:
+        if roll < 0.75:
             p = self.rng.choice(names)
             # A lambda's parameter stands for the statement's operands: the predicate reads them all.
             self.pred_names.append(p if p in self.vary else "*")
