@@ -502,6 +502,32 @@ _cvjp_mulsin.defvjp(lambda a, b: (a * jnp.sin(b), (a, b)),
                     lambda res, g: (g * jnp.sin(res[1]), g * res[0] * jnp.cos(res[1])))
 
 
+class _ReferenceLax:
+    """``jax.lax`` for the reference, with ``cond`` / ``switch`` as selects: their meaning,
+    without JAX's batching of a cond (under the reference's vmap its predicate is batched),
+    which on JAX <= 0.5 fails on a custom_vjp inside a branch under grad."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jax.lax, name)
+
+    @staticmethod
+    def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), true_fun(*operands), false_fun(*operands))
+
+    @staticmethod
+    def switch(index: Any, branches: Any, *operands: Any) -> Any:
+        index = jnp.clip(index, 0, len(branches) - 1)
+        outs = [branch(*operands) for branch in branches]
+        return jax.tree_util.tree_map(lambda *xs: jnp.select([index == k for k in range(len(xs))], xs), *outs)
+
+
+class _ReferenceJax:
+    lax = _ReferenceLax()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jax, name)
+
+
 class Namespace(dict):
     """What a program's source runs in: the real ops (registering the rules it declares,
     undone by ``close``) or their jnp meaning (``real=False``)."""
@@ -509,6 +535,8 @@ class Namespace(dict):
     def __init__(self, real: bool):
         super().__init__(jax=jax, jnp=jnp, P=P, sg=jax.lax.stop_gradient, cvjp_mulsin=_cvjp_mulsin)
         self.real = real
+        if not real:
+            self["jax"] = _ReferenceJax()
         self.registered: list[Any] = []
         self.update(kernel_op=self.kernel_op, prim_op=self.prim_op, ffi_op=self.ffi_op,
                     callback_op=self.callback_op, diff=_diff if real else (lambda op: op))
@@ -873,14 +901,18 @@ def _prune(program: Program) -> Program:
 
 def minimize(program: Program, mesh: Any, budget: int = 60) -> Program:
     """A smaller program that still has a counterexample (greedy, at most ``budget`` checks)."""
+    def kinds(found: list[str]) -> set[str]:  # "output", "gradient", "checking on puts": what went wrong
+        return {" ".join(c.split()[:1]) if not c.startswith("checking") else "collective" for c in found}
+
     def bad(p: Program) -> bool:
         nonlocal budget
         budget -= 1
         try:
-            return bool(check(p, mesh).counterexamples)
+            return bool(kinds(check(p, mesh).counterexamples) & wanted)
         except Exception:
             return False
 
+    wanted = kinds(check(program, mesh).counterexamples)  # the same kind of counterexample, smaller
     program = _prune(program)
     changed = True
     while changed and budget > 0:
