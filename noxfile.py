@@ -87,10 +87,15 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
     seed = os.environ.get("REPRULES_FUZZ_SEED") or str(int(time.time()) % 2**31)
     count = os.environ.get("REPRULES_FUZZ_COUNT") or ("300" if jax == JAX_MATRIX[-1] else "100")
     session.log(f"soundness fuzzer: REPRULES_FUZZ_SEED={seed}, {count} kernels on JAX {jax}")
+    # The program fuzzer (tests/test_fuzz_programs.py): the same seed; 200 programs on the
+    # newest JAX, 50 elsewhere.
+    programs = os.environ.get("REPRULES_PROGRAM_FUZZ_COUNT") or ("200" if jax == JAX_MATRIX[-1] else "50")
+    session.log(f"program fuzzer: REPRULES_FUZZ_SEED={seed}, {programs} programs on JAX {jax}")
     # One pytest-xdist worker per core (the tests are single-threaded Python, mostly tracing);
     # reprules' own modules and the tests may cache their bytecode too.
     session.run("python", "-m", "pytest", "-n", "auto", *(session.posargs or files),
-                env={"PYTHONDONTWRITEBYTECODE": None, "REPRULES_FUZZ_SEED": seed, "REPRULES_FUZZ_COUNT": count})
+                env={"PYTHONDONTWRITEBYTECODE": None, "REPRULES_FUZZ_SEED": seed, "REPRULES_FUZZ_COUNT": count,
+                     "REPRULES_PROGRAM_FUZZ_COUNT": programs})
 
 
 @nox.session(python="3.12")

@@ -1,0 +1,168 @@
+"""The program-level differential fuzzer (tests/fuzz_programs.py) on this JAX.
+
+Each run checks ``REPRULES_PROGRAM_FUZZ_COUNT`` generated programs (the
+noxfile asks for 200 on the newest JAX and 50 on every other; the same
+defaults apply without it) from a seed that changes between runs:
+``REPRULES_FUZZ_SEED`` if set (the noxfile sets and prints it), else one shared
+by the run's xdist workers. A failure prints the seed, each program's index
+and source; ``python tests/fuzz_programs.py --seed S --start I --count 1``
+replays one (``--minimize`` shrinks it). Every counterexample the fuzzer found
+is a minimized test in tests/test_program_counterexamples.py.
+"""
+
+import os
+import re
+import time
+
+import fuzz_programs
+import pytest
+
+NEWEST = fuzz_programs.JAX_VERSION[:2] >= (0, 12)
+
+
+def _seed() -> int:
+    given = os.environ.get("REPRULES_FUZZ_SEED")
+    if given:
+        return int(given)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+    return int(run[:8], 16) if run else int(time.time())
+
+
+SEED = _seed()
+COUNT = int(os.environ.get("REPRULES_PROGRAM_FUZZ_COUNT") or (200 if NEWEST else 50))
+CHUNK = 10
+
+# Counterexample classes (fuzz_programs.classify: the known bugs' hazards a program holds) of
+# bugs known and still open: a chunk whose every counterexample falls in these is an xfail that
+# names them, any other counterexample fails. Remove a class once its bug is fixed; the
+# minimized cases are strict xfails in tests/test_program_counterexamples.py.
+KNOWN_OPEN = {
+    "opaque": "a rule-less user primitive / ffi_call / pure_callback on a varying value is typed "
+              "replicated (its gradients are wrong with checking on)",
+    "cond": "cond / switch on a varying predicate (jax#40823: replicated branches typed replicated; "
+            "a collective inside the branch in the backward pass)",
+    "while": "a while_loop whose trip count varies is typed replicated",
+}
+
+
+@pytest.mark.parametrize("start", range(0, COUNT, CHUNK), ids=lambda s: f"programs{s}-{s + CHUNK - 1}")
+def test_checking_on_is_never_worse_than_checking_off(mesh, start):
+    print(f"program fuzzer: REPRULES_FUZZ_SEED={SEED}, programs {start}..{min(start + CHUNK, COUNT) - 1}")
+    failures, known = [], []
+    for index in range(start, min(start + CHUNK, COUNT)):
+        program = fuzz_programs.generate(SEED, index)
+        try:
+            got = fuzz_programs.check(program, mesh)
+        except Exception as err:  # the harness itself: reported like a counterexample
+            failures.append(f"raised {type(err).__name__}: {str(err)[:600]}\n{program.describe()}")
+            continue
+        failures += [f"{error}\n{program.describe()}" for error in got.errors]
+        if got.counterexamples:
+            kind = fuzz_programs.classify(program)
+            report = f"[{kind}] " + "; ".join(got.counterexamples) + "\n" + program.describe()
+            (known if set(kind.split("+")) <= set(KNOWN_OPEN) else failures).append(report)
+    replay = (f"fuzz seed {SEED} (replay: REPRULES_FUZZ_SEED={SEED}, or python tests/fuzz_programs.py "
+              f"--seed {SEED} --start N --count 1 [--minimize]):\n\n")
+    assert not failures, replay + "\n\n".join(failures + known)
+    if known:
+        kinds = sorted({re.match(r"\[([^\]]*)\]", k)[1] for k in known})
+        pytest.xfail(f"{len(known)} counterexample(s) of known open bugs ({', '.join(kinds)}): "
+                     + replay + "\n\n".join(known))
+
+
+def test_the_generator_covers_its_grammar():
+    """The programs of a run of 200 (as on the newest JAX) use every construct the grammar
+    has on this JAX, and hold every hazard (generating them costs no JAX)."""
+    programs = [fuzz_programs.generate(SEED, i) for i in range(max(COUNT, 200))]
+    seen = set().union(*(p.constructs() for p in programs))
+    wanted = {"leaf", "cond", "cond:operands", "switch", "while", "scan", "vmap", "jit", "collective",
+              "axis_index", "nested", "custom_vjp", "diff", "stop_gradient",
+              "kernel:declared", "kernel:ruleless", "prim:declared", "prim:ruleless", "callback:ruleless",
+              "mode:default", "mode:infer", "mode:no_infer"}
+    wanted |= {f"{k}:{p}" for k in ("cond", "switch", "while") for p in ("axis_index", "value", "constant")}
+    if fuzz_programs.FEATURES["ffi"]:
+        wanted |= {"ffi:declared", "ffi:ruleless"}
+    assert sorted(wanted - seen) == []
+    assert set().union(*(p.hazards() for p in programs)) == set(fuzz_programs.HAZARDS)
+    # out_specs of every kind: exact, claiming replication the value may lack, claiming less.
+    kinds = set()
+    for p in programs:
+        vary = p.varying()
+        for var, spec in zip(p.outputs, p.out_specs):
+            kinds.add("exact" if set(spec) == vary[var] else "claims" if set(spec) < vary[var] else "less")
+    assert kinds == {"exact", "claims", "less"}
+    sources = "\n".join(p.source for p in programs)
+    for call in ("jax.lax.cond(", "jax.lax.switch(", "jax.lax.while_loop(", "jax.lax.scan(", "jax.vmap(",
+                 "jax.jit(", "jax.lax.psum(", "jax.lax.pmean(", "jax.lax.axis_index(", "cvjp_mulsin(",
+                 "kernel_op(", "prim_op(", "callback_op("):
+        assert call in sources, call
+
+
+def test_the_oracle_sees_a_wrong_value_and_a_wrong_gradient(mesh):
+    """The oracle is not blind: a primitive declared replicated (a lying rule) while it
+    returns each device's data, claimed replicated in out_specs, is a counterexample; so is
+    a wrong gradient: the same primitive, reduced, with its output typed replicated."""
+    import reprules
+    from reprules import rules
+
+    lying = _program(["v1 = prim_copy(sg(x0))"], ["v1"], [()])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fuzz_programs.Namespace, "_declare", _lie)
+        got = fuzz_programs.check(lying, mesh)
+    assert got.refused is None and got.counterexamples == [
+        "output 0 (v1) differs across 'data', yet checking on accepted out_specs P() "
+        "(it returns one device's value)"]
+    honest = _program(["v1 = prim_copy(sg(x0))"], ["v1"], [("data",)])
+    assert fuzz_programs.check(honest, mesh).counterexamples == []  # the rule `same` is honest
+    del reprules, rules
+
+
+def _lie(self, target, status):
+    import reprules
+    from reprules import rules
+
+    reprules.replication_rule(rules.invariant("data", "model"))(target)
+    self.registered.append(target)
+
+
+def _program(lines, outputs, out_specs):
+    stmts = []
+    for line in lines:
+        var, text = line.split(" = ", 1)
+        operands = [n for n in re.findall(r"\b[xv]\d+\b", text)]
+        stmts.append(fuzz_programs.Stmt(var, text, list(dict.fromkeys(operands))))
+    return fuzz_programs.Program(0, 0, "default", ['prim_copy = prim_op("copy", "declared")'],
+                                 [("data",), ()], stmts, outputs, out_specs)
+
+
+def test_the_hang_detector_sees_a_collective_inside_a_branch():
+    """A collective inside a case region, directly or through a call, is found;
+    one outside (or a case without one) is not."""
+    text = """\
+module @jit_f {
+  func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = "stablehlo.all_reduce"(%arg0) <{replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>}> ({
+    ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+      %s = stablehlo.add %a, %b : tensor<f32>
+      stablehlo.return %s : tensor<f32>
+    }) : (tensor<4xf32>) -> tensor<4xf32>
+    %1 = "stablehlo.case"(%i) ({
+      %2 = func.call @inner(%0) : (tensor<4xf32>) -> tensor<4xf32>
+      stablehlo.return %2 : tensor<4xf32>
+    }, {
+      stablehlo.return %0 : tensor<4xf32>
+    }) : (tensor<i32>) -> tensor<4xf32>
+    return %1 : tensor<4xf32>
+  }
+  func.func private @inner(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = "stablehlo.all_reduce"(%arg0) <{replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>}> ({
+    ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+      %s = stablehlo.add %a, %b : tensor<f32>
+      stablehlo.return %s : tensor<f32>
+    }) : (tensor<4xf32>) -> tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+}
+"""
+    assert fuzz_programs.collectives_under_branches(text) == [("call @inner", frozenset({"model"}))]
+    assert fuzz_programs.collectives_under_branches(text.replace("func.call @inner", "func.call @other")) == []
