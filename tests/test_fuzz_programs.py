@@ -36,12 +36,12 @@ CHUNK = 10
 # bugs known and still open: a chunk whose every counterexample falls in these is an xfail that
 # names them, any other counterexample fails. Remove a class once its bug is fixed; the
 # minimized cases are strict xfails in tests/test_program_counterexamples.py.
-KNOWN_OPEN = {
-    "opaque": "a rule-less user primitive / ffi_call / pure_callback on a varying value is typed "
-              "replicated (its gradients are wrong with checking on)",
-    "cond": "cond / switch on a varying predicate (jax#40823: replicated branches typed replicated; "
-            "a collective inside the branch in the backward pass)",
-    "while": "a while_loop whose trip count varies is typed replicated",
+# Fixed on JAX 0.6+ by reprules' sound types (opaque calls, cond/switch/while on a varying
+# predicate). On 0.4.38 - 0.5.x JAX's own check_rep rewrite of cond (a pbroadcast inside each
+# branch) still puts a collective inside a branch in the backward pass: known, not fixed there.
+KNOWN_OPEN = {} if JAX_VERSION >= (0, 6) else {
+    "cond": "cond / switch on a varying predicate on JAX 0.4.38 - 0.5 (jax#40823: a collective "
+            "inside the branch in the backward pass, from JAX's check_rep rewrite)",
 }
 
 

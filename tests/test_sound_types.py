@@ -116,7 +116,7 @@ def test_replicated_out_specs_over_a_varying_opaque_result_is_refused(data, name
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", reprules.ReplicationWarning)
         with pytest.raises(ValueError, match=note):
-            jax.jit(shard_map(op, mesh, P("data", None), P()))(x)
+            jax.jit(shard_map(lambda x: op(x), mesh, P("data", None), P()))(x)  # the user's function
 
 
 def test_following_the_warnings_advice_gives_the_same_exact_gradient_silently(data, monkeypatch):

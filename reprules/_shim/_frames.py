@@ -74,15 +74,18 @@ def frame_locals(frame: FrameType) -> dict[str, Any]:
 _SKIP = ("jax.", "jaxlib.", "jax_triton.", "reprules.", "contextlib", "functools")
 
 
+def is_plumbing(frame: FrameType) -> bool:
+    """Whether ``frame`` runs JAX's, reprules' or their plumbing's code (not the user's)."""
+    module = str(frame.f_globals.get("__name__", ""))
+    return module.startswith(_SKIP) or module == "jax"
+
+
 def user_frame() -> FrameType | None:
     """The innermost frame outside JAX, reprules and their plumbing."""
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        if not module.startswith(_SKIP) and module != "jax":
-            return frame
+    while frame is not None and is_plumbing(frame):
         frame = frame.f_back
-    return None
+    return frame
 
 
 def annotation_site(depth: int = 5) -> str:

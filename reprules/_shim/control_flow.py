@@ -12,7 +12,10 @@ JAX <= 0.5 typed such a ``cond`` varying (its ``check_rep`` rewrite rule).
 Where the predicate (or index) varies over axes an output is not typed with,
 reprules casts the operands (the loop's carries) up to those axes *before*
 the control flow, so a replicated operand's cotangent is psummed once, outside
-it, as checking off does; and retraces the branches (the loop's cond and body)
+it, as checking off does (JAX's own transpose psums it inside the branch each
+device took: a collective only some devices run, which hangs XLA:CPU; so a
+``cond`` whose outputs are typed soundly gets its replicated operands cast up
+too, where its branches can be retyped); and retraces the branches (the loop's cond and body)
 on the new types, casting up only outputs that depend on no operand (a
 constant: no cotangent flows through it). Nothing changes where JAX's types
 already hold the predicate's axes (a JAX that fixes this), under
@@ -60,18 +63,24 @@ def _cond_bind(field: TypeField, bind: Callable[..., Any]) -> Callable[..., Any]
         outs = branches[0].out_avals
         avals = [jax.typeof(o) for o in operands]
         short = bool(axes) and any(axes - field.varying(o) for o in outs)
-        if (short or _retyped(field, avals, branches[0].in_avals)) and _values([*avals, *outs]):
-            if short:
-                out_specs_note.record(f"a lax.cond / lax.switch whose predicate varies over {sorted(axes)} "
-                                      "(jax#40823)", axes)
-                operands = tuple(_cast(field, operands, avals, axes))
-                avals = [jax.typeof(o) for o in operands]
-            targets = [field.varying(o) | axes for o in outs]
-            try:
-                branches = tuple(_retrace(field, b, avals, targets) for b in branches)
-            except _NotRetypable as err:
+        # A replicated operand's cotangent would be psummed inside the branch each device
+        # took (JAX's cond transpose): a collective only some devices run. Cast up outside.
+        replicated = bool(axes) and any(axes - field.varying(a) for a in avals)
+        retyped = _retyped(field, avals, branches[0].in_avals)
+        if not ((short or replicated or retyped) and _values([*avals, *outs])):
+            return bind(index, *operands, branches=branches, **params)
+        cast = tuple(_cast(field, operands, avals, axes)) if short or replicated else operands
+        targets = [field.varying(o) | axes for o in outs]
+        try:
+            new_branches = tuple(_retrace(field, b, [jax.typeof(o) for o in cast], targets) for b in branches)
+        except _NotRetypable as err:
+            if short or retyped:
                 raise _refusal("lax.cond / lax.switch", axes, outs, field, str(err)) from None
-        return bind(index, *operands, branches=branches, **params)
+            return bind(index, *operands, branches=branches, **params)  # its types were sound: JAX's cond
+        if short:
+            out_specs_note.record(f"a lax.cond / lax.switch whose predicate varies over {sorted(axes)} "
+                                  "(jax#40823)", axes)
+        return bind(index, *cast, branches=new_branches, **params)
 
     return cond_bind
 

@@ -43,6 +43,7 @@ _seen: set[Any] = set()  # every primitive bound under checking since install: c
 _implicit: dict[Any, Patches] = {}  # rule-less opaque primitives hooked by this module
 _warned: set[tuple[str, str]] = set()  # (primitive, site): one warning per call site
 _jax_defined: set[int] = set()  # ids of the primitives some jax module defines (refreshed on a miss)
+_jax_bind: Callable[..., Any] | None = None  # JAX's Primitive.bind, while the class hook holds its place
 
 # JAX's own primitives whose outputs are typed by the caller's result shapes.
 _JAX_FFI = (
@@ -72,10 +73,16 @@ def install(field: TypeField, patches: Patches, attach: Callable[[TypeField, Opa
     """Hooks ``Primitive.bind`` so that the first bind of each primitive under
     checking classifies it; a rule-less opaque one gets ``attach``'s hooks
     (the same as a registered primitive's, whose rule lookup then finds none)."""
-    original = _jax.core.Primitive.bind
+    global _jax_bind
+    original = _jax_bind = _jax.core.Primitive.bind
 
     def bind(prim: Any, *args: Any, **params: Any) -> Any:
-        if prim in _seen or not checking():
+        own = prim.__dict__.get("bind")
+        if own is not None and getattr(own, "reprules_opaque_hook", False):
+            # reprules' per-primitive hook, reached through `prim.bind` looked up before it was
+            # installed (a bound method kept at import): its casts must not be skipped.
+            return own(*args, **params)
+        if prim in _seen or not checking() or _jax_kind(prim):
             return original(prim, *args, **params)
         with _lock:
             _seen.add(prim)
@@ -90,6 +97,14 @@ def install(field: TypeField, patches: Patches, attach: Callable[[TypeField, Opa
     patches.on_undo(_forget_all)
 
 
+def jax_bind(prim: Any) -> Callable[..., Any]:
+    """What a per-primitive hook calls to bind ``prim``: its own ``bind`` where something
+    set one, else JAX's (never the class hook, which sends calls to the per-primitive hook)."""
+    if "bind" not in vars(prim) and _jax_bind is not None:
+        return functools.partial(_jax_bind, prim)
+    return prim.bind
+
+
 def hooked(prim: Any) -> bool:
     """Whether this module already gave ``prim`` the per-primitive hooks."""
     return prim in _implicit
@@ -102,12 +117,21 @@ def forget(prim: Any) -> None:
 
 
 def _forget_all() -> None:
+    global _jax_bind
     with _lock:
+        _jax_bind = None
         pending = list(_implicit.values())
         _implicit.clear()
         _seen.clear()
     for patches in reversed(pending):
         patches.undo_all()
+
+
+def _jax_kind(prim: Any) -> bool:
+    """A primitive of one of JAX's own subclasses (``ad.VJPNode``, made anew for each
+    ``jit`` under ``vjp``; hijax's): JAX's, never opaque, and not kept in ``_seen``."""
+    kind = type(prim)
+    return kind is not _jax.core.Primitive and kind.__module__.startswith("jax.")
 
 
 def _opaque(prim: Any) -> bool:

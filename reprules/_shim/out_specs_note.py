@@ -25,7 +25,7 @@ from reprules._shim._patches import Patches
 class Typing(NamedTuple):
     what: str  # "lax.cond / lax.switch at file:line (...)" as messages say it
     axes: frozenset[str]
-    codes: frozenset[Any]  # the code objects running when it was made
+    codes: frozenset[Any]  # the user's code objects running when it was made
 
 
 _recent: collections.deque[Typing] = collections.deque(maxlen=64)
@@ -36,8 +36,9 @@ def record(what: str, axes: frozenset[str]) -> None:
     """Remembers that reprules typed a value varying over ``axes`` at the user's line."""
     codes = set()
     frame = sys._getframe(1)
-    while frame is not None:
-        codes.add(frame.f_code)
+    while frame is not None:  # the user's frames only: JAX's own (Primitive.bind) run for every call
+        if not _frames.is_plumbing(frame):
+            codes.add(frame.f_code)
         frame = frame.f_back
     with _lock:
         _recent.append(Typing(f"{what} at {_frames.annotation_site(depth=1) or 'an unknown line'}", axes,

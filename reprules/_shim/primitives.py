@@ -26,7 +26,7 @@ def attach(field: TypeField, op: Opaque, patches: Patches) -> None:
     of the inputs' axes where JAX's are too small)."""
     prim = op.prim
     original_abstract_eval = prim.abstract_eval
-    original_bind = prim.bind  # may already be another reprules hook
+    original_bind = opaque_types.jax_bind(prim)  # may already be another reprules hook
 
     def abstract_eval(*avals: Any, **params: Any) -> Any:
         out, effects = original_abstract_eval(*avals, **params)
@@ -66,6 +66,7 @@ def attach(field: TypeField, op: Opaque, patches: Patches) -> None:
             return _bind_widened(field, op, original_abstract_eval, original_bind, args, params)
         return original_bind(*args, **params)
 
+    bind.reprules_opaque_hook = True  # type: ignore[attr-defined]  # the class hook sends stale binds here
     patches.setattr(prim, "abstract_eval", abstract_eval)
     patches.setattr(prim, "bind", bind)
 
