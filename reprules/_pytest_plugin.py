@@ -5,7 +5,8 @@
 * ``--reprules-infer``, or the ini setting ``reprules_infer = true``: the whole
   session runs under ``reprules.inference()`` (rules derived from kernel bodies).
 * ``@pytest.mark.reprules_devices(n)``: skip unless at least n devices exist.
-* fixtures ``no_all_reduce`` and ``collectives``.
+* fixtures ``no_all_reduce``, ``collectives``, ``no_implicit_collectives`` and
+  ``no_cheaper_collectives``.
 * a report-header line: reprules and JAX versions, device count.
 
 Loading this plugin imports neither JAX nor ``reprules.testing``: they are
@@ -201,3 +202,36 @@ def no_all_reduce() -> Callable[..., Any]:
         pytest.fail(message, pytrace=False)
 
     return check
+
+
+def _failing(check: Callable[..., Any]) -> Callable[..., Any]:
+    """``check`` as a fixture's callable: a ``CollectivesAssertionError`` fails the test with its message."""
+    from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+
+    def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        try:
+            return check(fn, *args, **kwargs)
+        except testing.CollectivesAssertionError as err:
+            message = str(err)
+        pytest.fail(message, pytrace=False)
+
+    return run
+
+
+@pytest.fixture
+def no_implicit_collectives() -> Callable[..., Any]:
+    """Call it as ``no_implicit_collectives(fn, *args, **kwargs)``; fails the test on any
+    collective XLA inserted around an opaque kernel (``testing.assert_no_implicit_collectives``)."""
+    from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+
+    return _failing(testing.assert_no_implicit_collectives)
+
+
+@pytest.fixture
+def no_cheaper_collectives() -> Callable[..., Any]:
+    """Call it as ``no_cheaper_collectives(fn, *args, **kwargs)``; fails the test on any
+    collective with a cheaper equivalent (``testing.assert_no_cheaper_collectives``)."""
+    from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+
+    return _failing(testing.assert_no_cheaper_collectives)
