@@ -1,6 +1,6 @@
 """Test matrix and main job, each in its own virtual environment.
 
-    python -m pip install --quiet nox uv && python -m nox            # tests, whole JAX matrix, and typecheck
+    python -m pip install --quiet nox uv && python -m nox            # the default: tests (whole JAX matrix), tests_python, typecheck, docs
     python -m nox -s "tests(jax='0.12.0.1')"                          # tests, one JAX version
     python -m nox -s tests_python                                     # tests, the other Pythons
     python -m nox -s typecheck                                        # mypy --strict, newest JAX
@@ -103,7 +103,7 @@ def tests(session: nox.Session, jax: str) -> None:
 @nox.session
 @nox.parametrize(("python", "jax"), PYTHON_MATRIX)
 def tests_python(session: nox.Session, jax: str) -> None:
-    """Runs the Python-sensitive part of the suite on another supported Python, with one JAX version."""
+    """Runs the Python-sensitive part of the suite on Python 3.10, 3.11 and 3.13, one JAX each."""
     _run_tests(session, jax, files=PYTHON_SUITE)
 
 
@@ -136,7 +136,7 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python="3.12")
 def main(session: nox.Session) -> None:
-    """The main job, on the newest supported JAX: ``reprules audit`` of its default workload."""
+    """The main job, on the newest supported JAX: ``reprules audit`` of its default workload (not in the default run)."""
     _install(session, f"jax=={JAX_MATRIX[-1]}", f"jaxlib=={JAX_MATRIX[-1]}", "-e", ".")
     session.run("reprules", "audit", *session.posargs)
 

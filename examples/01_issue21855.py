@@ -10,6 +10,7 @@ decorator on the kernel declares the rule instead.
 Run (8 fake CPU devices are set up by the script itself):
 
     python examples/01_issue21855.py
+    reprules audit examples/01_issue21855.py     # its audit_step: checking off vs reprules
 """
 
 from reprules import testing
@@ -73,6 +74,19 @@ def main():
         counts = all_reduces(grad_fn, x)
         error = float(np.max(np.abs(np.asarray(jax.jit(grad_fn)(x)) - reference)))
         print(f"{label:32}{counts[0]:>10}{counts[1]:>24}{counts[2]:>23}{error:>18.1e}")
+
+
+def audit_step(check=True):
+    """The target of ``reprules audit examples/01_issue21855.py``: the gradient of
+    ``sum(copy(x) * w)``, with checking off (``check=False``) or on (the kernel
+    has no rule here: inference covers it, as the audit's row says)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    rng = np.random.RandomState(0)
+    x = jax.device_put(rng.randn(8, 128).astype(np.float32), NamedSharding(mesh, P("data", None)))
+    weights = rng.randn(8, 128).astype(np.float32)
+    sharded = testing.shard_map(kernel_copy, mesh, P("data", None), P("data", None), check=check)
+    return {"step": jax.grad(lambda x: (sharded(x) * weights).sum()), "args": (x,),
+            "reference": lambda: weights, "name": "issue21855"}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ check fails.
 Run (8 fake CPU devices are set up by the script itself):
 
     python examples/02_mlp_three_ways.py
+    reprules audit examples/02_mlp_three_ways.py    # its audit_step (way="fsdp", "dp" or "tp")
 """
 
 from reprules import testing
@@ -116,17 +117,17 @@ def predict(params, inputs):
 
 
 # data parallel: replicated parameters, sharded batch, pmean of the local losses
-def make_dp(mesh):
+def make_dp(mesh, check=True):
     def local_loss(params, batch):
         inputs, targets = batch
         return jax.lax.pmean(mse(predict(params, inputs), targets), "batch")
 
-    loss = testing.shard_map(local_loss, mesh, in_specs=(P(), P("batch")), out_specs=P())
+    loss = testing.shard_map(local_loss, mesh, in_specs=(P(), P("batch")), out_specs=P(), check=check)
     return loss, (P(), P("batch"))
 
 
 # FSDP: parameters sharded over `batch`, gathered per layer, re-gathered in the backward pass
-def make_fsdp(mesh):
+def make_fsdp(mesh, check=True):
     @partial(jax.remat, policy=lambda op, *_, **__: str(op) != "all_gather")  # do not keep gathered weights
     def predict_fsdp(params_frag, inputs):
         for i, (w_frag, b_frag) in enumerate(params_frag):
@@ -140,18 +141,18 @@ def make_fsdp(mesh):
         inputs, targets = batch
         return jax.lax.pmean(mse(predict_fsdp(params_frag, inputs), targets), "batch")
 
-    loss = testing.shard_map(local_loss, mesh, in_specs=(P("batch"), P("batch")), out_specs=P())
+    loss = testing.shard_map(local_loss, mesh, in_specs=(P("batch"), P("batch")), out_specs=P(), check=check)
     return loss, (P("batch"), P("batch"))
 
 
 # tensor parallel: features sharded over `feats`, local matmul then psum_scatter
-def make_tp(mesh):
+def make_tp(mesh, check=True):
     def gemm_tp(inputs, w, b):
         block_result = matmul(inputs, w)
         return jax.lax.psum_scatter(block_result, "feats", scatter_dimension=1, tiled=True) + b
 
     gemm = testing.shard_map(gemm_tp, mesh, in_specs=(P(None, "feats"), P("feats", None), P("feats")),
-                             out_specs=P(None, "feats"))
+                             out_specs=P(None, "feats"), check=check)
 
     def loss(params, batch):
         inputs, targets = batch
@@ -221,6 +222,18 @@ def main():
         print("FAILED: " + "; ".join(failed))
         sys.exit(1)
     print("OK: every way matches the unsharded gradients, with no defensive collective")
+
+
+def audit_step(check=True, way="fsdp"):
+    """The target of ``reprules audit examples/02_mlp_three_ways.py``: the gradient of one way's
+    loss (``way``: ``"dp"``, ``"fsdp"`` or ``"tp"``), with checking off or on."""
+    axis, make = {"dp": ("batch", make_dp), "fsdp": ("batch", make_fsdp), "tp": ("feats", make_tp)}[way]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), (axis,))
+    params, batch = init(0)
+    loss, (param_spec, batch_spec) = make(mesh, check)
+    put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))  # noqa: E731
+    return {"step": jax.grad(loss), "args": (put(params, param_spec), put(batch, batch_spec)),
+            "reference": lambda: jax.grad(loss_reference)(params, batch), "name": f"mlp_{way}"}
 
 
 if __name__ == "__main__":

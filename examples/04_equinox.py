@@ -17,9 +17,10 @@ says what to install, in one line, and exits 1; with an Equinox that does not
 support the installed JAX it prints ``SKIPPED:`` and why, and exits 0.
 
 Run (8 fake CPU devices are set up by the script itself; needs Equinox:
-``pip install 'reprules[examples]'``):
+``pip install equinox``, or ``pip install '.[examples]'`` in the reprules clone):
 
     python examples/04_equinox.py
+    reprules audit examples/04_equinox.py     # its audit_step: checking off vs reprules
 """
 
 from reprules import testing
@@ -41,7 +42,8 @@ try:
     import equinox as eqx
 except Exception as err:
     if isinstance(err, ModuleNotFoundError) and err.name == "equinox":  # not installed
-        sys.exit("04_equinox.py needs Equinox: pip install 'reprules[examples]' (or pip install equinox)")
+        sys.exit("04_equinox.py needs Equinox: pip install equinox (or pip install '.[examples]' in the "
+                 "reprules clone; reprules is not on PyPI)")
     # installed, but built for another JAX (it may import what this JAX lacks)
     print(f"SKIPPED: equinox is not importable with JAX {jax.__version__} ({type(err).__name__}: {err}); "
           "pip install equinox")
@@ -200,6 +202,22 @@ def main():
         print("FAILED: " + "; ".join(failed))
         sys.exit(1)
     print("OK: the Equinox model trains under shard_map with checking on, no defensive all-reduce")
+
+
+def audit_step(check=True):
+    """The target of ``reprules audit examples/04_equinox.py``: the model's gradient, the
+    parameters replicated and the batch on ``data``, with checking off or on."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    model = MLP([16, 32, 32, 8], jax.random.PRNGKey(0))
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(32, 16).astype(np.float32), rng.randn(32, 8).astype(np.float32)
+    params, static = eqx.partition(model, eqx.is_array)
+    loss = make_loss(mesh, static, check)
+    sharded = eqx.filter_shard(params, NamedSharding(mesh, P()))
+    sx, sy = eqx.filter_shard((x, y), NamedSharding(mesh, P("data")))
+    return {"step": eqx.filter_grad(lambda p, a, b: loss(eqx.combine(p, static), a, b)),
+            "args": (sharded, sx, sy), "name": "equinox_mlp",
+            "reference": lambda: eqx.filter(eqx.filter_grad(reference_loss)(model, x, y), eqx.is_array)}
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ gradients against plain ``jnp``, and exits non-zero if a check fails.
 Run (8 fake CPU devices are set up by the script itself):
 
     python examples/05_primitive_and_ffi.py
+    reprules audit examples/05_primitive_and_ffi.py   # its audit_step (the user primitives)
 """
 
 from reprules import testing
@@ -129,6 +130,24 @@ def main():
         print("FAILED: " + "; ".join(failed))
         sys.exit(1)
     print("OK: with the rules, w's gradient is summed over 'data' only")
+
+
+def audit_step(check=True, ffi=False):
+    """The target of ``reprules audit examples/05_primitive_and_ffi.py``: the gradients of
+    ``sum(layer(x, w) * t)``, with checking off or on (``ffi=True``: the FFI kernels)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    rng = np.random.RandomState(0)
+    x_host, w_host, t = (rng.randn(16, 128).astype(np.float32), rng.randn(128).astype(np.float32),
+                         rng.randn(16, 128).astype(np.float32))
+    x = jax.device_put(x_host, NamedSharding(mesh, P("data", None)))
+    w = jax.device_put(w_host, NamedSharding(mesh, P()))
+    if ffi and FFI_SKIPPED is not None:
+        raise RuntimeError(f"the FFI kernels are unavailable: {FFI_SKIPPED}")
+    f = testing.shard_map(ffi_layer if ffi else primitive_layer, mesh, (P("data", None), P()), P("data", None),
+                          check)
+    return {"step": jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1)), "args": (x, w),
+            "name": "ffi_layer" if ffi else "primitive_layer",
+            "reference": lambda: jax.grad(lambda x, w: (x * w * t).sum(), argnums=(0, 1))(x_host, w_host)}
 
 
 if __name__ == "__main__":

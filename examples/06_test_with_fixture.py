@@ -11,10 +11,12 @@ reprules installs a pytest plugin (no ``conftest.py`` needed) with:
   the marker ``@pytest.mark.reprules_devices(n)``, which skips a test when
   fewer devices exist.
 
-This file is itself a pytest file. Run (needs pytest: ``pip install 'reprules[examples]'``):
+This file is itself a pytest file. Run (needs pytest: ``pip install pytest``, or
+``pip install '.[examples]'`` in the reprules clone):
 
     pytest examples/06_test_with_fixture.py --reprules-cpu-devices 8
     python examples/06_test_with_fixture.py        # the same, through pytest.main
+    reprules audit examples/06_test_with_fixture.py   # its audit_step: the tests' step
 """
 
 import sys
@@ -24,7 +26,8 @@ try:
 except ModuleNotFoundError as err:
     if err.name != "pytest":
         raise
-    sys.exit("06_test_with_fixture.py needs pytest: pip install 'reprules[examples]' (or pip install pytest)")
+    sys.exit("06_test_with_fixture.py needs pytest: pip install pytest (or pip install '.[examples]' in the "
+             "reprules clone; reprules is not on PyPI)")
 
 pytestmark = pytest.mark.reprules_devices(8)
 
@@ -95,6 +98,13 @@ def test_checking_off_is_caught(no_all_reduce):
     with pytest.raises(pytest.fail.Exception, match="defensive") as failure:
         no_all_reduce(jax.grad(lambda x: f(x, w)), x)
     assert "all-reduce over model" in str(failure.value)
+
+
+def audit_step(check=True):
+    """The target of ``reprules audit examples/06_test_with_fixture.py``: the tests' step,
+    the gradients of x and w, with checking off or on."""
+    jax, loss, x, w = _setup()
+    return jax.grad(loss(check), argnums=(0, 1)), (x, w)
 
 
 if __name__ == "__main__":

@@ -170,8 +170,8 @@ def replication_rule(rule: RuleLike | None = None, *, override: bool = False) ->
         raise RegistrationError(
             f"replication_rule was applied directly to {getattr(rule, '__name__', rule)!r}.\n"
             "Why: replication_rule takes a rule and returns a decorator.\n"
-            "Fix: write `@replication_rule()` (with parentheses) or "
-            "`@replication_rule(rules.same())`."
+            "Fix: write `@reprules.replication_rule()` (with parentheses) or, with `import reprules`, "
+            "`@reprules.replication_rule(reprules.rules.same())`."
         )
     return register
 
@@ -183,7 +183,7 @@ def _inferred_only_on_packages(kernel: object, rule: RuleLike) -> str:
             "Why: one fixed rule for every kernel of a package would type a kernel that "
             "communicates as if it did not (a silently wrong gradient); a derived rule is proven "
             "kernel by kernel, or refused.\n"
-            f"Fix: reprules.replication_rule(rules.inferred())(reprules.kernels_in({kernel.package!r})), "
+            f"Fix: reprules.replication_rule(reprules.rules.inferred())(reprules.kernels_in({kernel.package!r})), "
             "and an explicit rule on each kernel that needs another one (it wins)."
         )
     return (
@@ -191,8 +191,8 @@ def _inferred_only_on_packages(kernel: object, rule: RuleLike) -> str:
         "reprules.kernels_in(package).\n"
         "Why: it derives the rules of a package's kernels from their bodies; one kernel gets a "
         "rule of its own, or its rule derived under reprules.inference().\n"
-        "Fix: give the kernel a rule such as rules.same(), wrap the calls in "
-        "reprules.inference(), or register rules.inferred() on reprules.kernels_in(\"pkg\")."
+        "Fix: give the kernel a rule such as reprules.rules.same() (with `import reprules`), wrap the calls in "
+        "reprules.inference(), or register reprules.rules.inferred() on reprules.kernels_in(\"pkg\")."
     )
 
 

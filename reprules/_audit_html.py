@@ -17,6 +17,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from reprules import _mode_state
+
 LABELS = {"off": "checking off", "on": "reprules (checking on)", "given": "as given"}
 _VARIANTS = ("off", "on", "given")
 _LEVELS = (("jaxpr", "J"), ("stablehlo", "S"), ("hlo", "H"))
@@ -259,7 +261,10 @@ def render(doc: Mapping[str, Any]) -> str:
     if mesh:
         meta.append(f"mesh {mesh}")
     meta.append(f"reprules {doc['reprules']}")
-    meta.append("reprules side under reprules.inference()" if doc.get("inference") else "inference off")
+    mode = doc.get("inference")
+    mode = {True: "all", False: "default"}.get(mode, mode) if isinstance(mode, bool) else mode  # schema 1
+    text = _mode_state.INFERENCE_TEXT.get(str(mode), f"inference {mode}")
+    meta.append(text + (" (reprules side under reprules.inference())" if mode == "all" else ""))
     workloads = doc["workloads"]
     nav = "".join(f'<a href="#w{i}">{_e(w["name"])}</a>' for i, w in enumerate(workloads))
     body = [f"<h1>reprules audit of {_e(what)}</h1>", f'<p class="meta">{_e(" · ".join(meta))}</p>',

@@ -2,7 +2,8 @@
 
 With no target, audits the bundled workloads on 8 fake CPU devices, side by
 side with checking off vs with reprules. With ``module:callable``, audits the
-user's step, also side by side when the callable takes ``check`` (protocol in
+user's step (or ``path/to/file.py[:callable]``; the callable defaults to ``audit_step``),
+also side by side when the callable takes ``check`` (protocol in
 :mod:`reprules._audit_target`). Progress goes to stderr, results to stdout
 (``--json`` for machines, :data:`SCHEMA_VERSION`); ``--html FILE`` also writes
 the report as one self-contained page (:mod:`reprules._audit_html`);
@@ -30,17 +31,18 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 import reprules
-from reprules import _audit_html, _audit_text, _environment, _registry, _workloads
+from reprules import _audit_html, _audit_text, _environment, _mode_state, _registry, _workloads
 from reprules import _audit_target as protocol
 from reprules._errors import UnsupportedJaxError
 
 DEFAULT_DEVICES = 8
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the ``--json`` document's layout; raised whenever a field changes meaning or goes away
-(new fields are added within a version: ``inference``, ``unmatched_kernel_names``, each kernel's
-``covered_by`` and ``inference``, each collective's ``dead`` and ``added_by`` and each variant's
-``dead_count`` were added in version 1; ``count``, ``bytes`` and the ``defensive_*`` figures leave
-dead collectives out)."""
+(new fields are added within a version: ``unmatched_kernel_names``, each kernel's ``covered_by`` and
+``inference``, each collective's ``dead`` and ``added_by`` and each variant's ``dead_count`` were
+added in version 1; ``count``, ``bytes`` and the ``defensive_*`` figures leave dead collectives out).
+Version 2: ``inference`` is the inference mode the reprules side was traced in, ``"all"``,
+``"default"`` (kernels JAX would refuse) or ``"off"`` (version 1: a bool, ``--infer`` given)."""
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
 EXIT_CODES = {
@@ -100,13 +102,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Audit the collectives of training steps. With no TARGET, audits the bundled\n"
         "workloads (JAX #21855, a tensor-parallel MLP with a Pallas matmul, JAX's Pallas\n"
         "layer_norm), checking off vs reprules.",
-        epilog="TARGET: `module:callable`. The callable returns (step, args), (step, args, kwargs),\n"
-        "or a mapping with 'step', 'args' and optional 'kwargs', 'name', 'reference' (a\n"
-        "zero-argument callable giving the expected output). If it takes a `check` argument,\n"
+        epilog="TARGET: `module[:callable]` or `path/to/file.py[:callable]` (callable: `audit_step`\n"
+        "when left out; a file is run as a module of its own). The callable returns\n"
+        "(step, args), (step, args, kwargs), or a mapping with 'step', 'args' and optional\n"
+        "'kwargs', 'name', 'reference' (a zero-argument callable giving the expected output).\n"
+        "If it takes a `check` argument,\n"
         "it is called with check=False (shard_map checking off) and check=True (checking on,\n"
         "rules registered) and the two steps are compared; otherwise its step is audited as\n"
         "given.\n\n" + _EXIT_HELP)
-    audit.add_argument("target", nargs="?", help="module:callable returning (step, args)")
+    audit.add_argument("target", nargs="?",
+                       help="module[:callable] or path/to/file.py[:callable] (default callable: audit_step) "
+                            "returning (step, args)")
     audit.add_argument("--json", action="store_true",
                        help=f"print one JSON document on stdout (schema_version {SCHEMA_VERSION})")
     audit.add_argument("--html", metavar="FILE",
@@ -237,7 +243,7 @@ def _variant(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], reference
     if reference is not None:
         out = jax.jit(lambda *a: step(*a, **kwargs))(*args)
         error = _max_error(out, reference)
-    return {"report": report, "max_error": error,
+    return {"report": report, "max_error": error, "inference": _mode_state.inference_mode(),
             "coverage": tuple(_audit_coverage.lookup(coverage, k) for k in report.kernels)}
 
 
@@ -292,6 +298,16 @@ def _strict_findings(entries: list[dict[str, Any]], unmatched: list[dict[str, st
     return found
 
 
+def _inference_mode(entries: list[dict[str, Any]], infer: bool) -> str:
+    """The inference mode of the reprules side (or the step as given), as its trace saw it: the one
+    source of the mode line of the text, JSON and HTML reports, and of each kernel's ``covered by``."""
+    for e in entries:
+        v = e.get("on") or e.get("given")
+        if v is not None:
+            return str(v["inference"])
+    return "all" if infer else _mode_state.inference_mode()  # that side failed before it was traced
+
+
 def _document(support: dict[str, str], devices: int, target: str | None, mesh: dict[str, int] | None,
               entries: list[dict[str, Any]], findings: list[str], infer: bool,
               unmatched: list[dict[str, str]]) -> dict[str, Any]:
@@ -299,7 +315,7 @@ def _document(support: dict[str, str], devices: int, target: str | None, mesh: d
     return {
         "schema_version": SCHEMA_VERSION,
         "reprules": reprules.__version__, "jax": support["jax"], "regime": support["regime"],
-        "devices": devices, "target": target, "mesh": mesh, "inference": infer,
+        "devices": devices, "target": target, "mesh": mesh, "inference": _inference_mode(entries, infer),
         "workloads": [
             {"name": e["name"], "title": e["title"], "error": e.get("error"),
              **{k: _summary(e[k]) for k in ("off", "on", "given") if k in e}}
@@ -332,8 +348,9 @@ def _finish(args: argparse.Namespace, text: str, doc: dict[str, Any], failed: bo
     return EXIT_OK
 
 
-def _header(support: dict[str, str], devices: int, what: str, infer: bool) -> list[str]:
+def _header(support: dict[str, str], devices: int, what: str, infer: bool, mode: str) -> list[str]:
     lines = [f"reprules audit of {what}: JAX {support['jax']} ({support['regime']} regime), {devices} devices",
+             f"mode: {_mode_state.INFERENCE_TEXT[mode]}",
              "collectives per training step, bytes per device (full detail: --json, --html)"]
     if infer:
         lines.append("--infer: the reprules side runs under reprules.inference() (rules derived from kernel bodies)")
@@ -391,7 +408,7 @@ def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
     doc = _document(support, devices, None, dict(zip(_workloads.MESH_AXES, _workloads.MESH_SHAPE)),
                     results, findings, args.infer, unmatched)
     text = "" if args.json else _audit_text.render(
-        _header(support, devices, "the bundled workloads", args.infer), results,
+        _header(support, devices, "the bundled workloads", args.infer, doc["inference"]), results,
         notes=_audit_text.unmatched_notes(unmatched))
     return _finish(args, text, doc, failed, findings, progress)
 
@@ -455,7 +472,7 @@ def _audit_target(args: argparse.Namespace, progress: _Progress) -> int:
                          f"(`def {factory.name.rsplit('.', 1)[-1]}(check=True)`) and pass it to "
                          "shard_map (check_vma, or check_rep on JAX <= 0.5).")
         last = entry.get("on") or entry.get("given") or entry.get("off")  # "off" when "on" failed
-        text = _audit_text.render(_header(support, devices, args.target, args.infer), [entry], notes,
+        text = _audit_text.render(_header(support, devices, args.target, args.infer, doc["inference"]), [entry], notes,
                                   fixes=last["report"] if last else None)
     if failed:  # the report (text or JSON) has the whole message
         print(f"reprules audit: error: {args.target}: the step failed, {entry['error'].split(chr(10))[0]}",

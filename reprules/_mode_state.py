@@ -56,6 +56,22 @@ def inferring_by_default() -> bool:
     return _depth["no_infer"] == 0 and not _env_off(INFER_ENV)
 
 
+INFERENCE_TEXT = {
+    "all": "inference on",  # reprules.inference(), REPRULES_INFER=1, --infer, --reprules-infer
+    "default": "inference where JAX would refuse",  # the default: a rule-less kernel JAX would refuse
+    "off": "inference off",  # REPRULES_INFER=0 or reprules.inference(False)
+}
+"""Each inference mode, as the pytest plugin's header and ``reprules audit`` (text, JSON, HTML) name it."""
+
+
+def inference_mode() -> str:
+    """The inference mode in force here, a key of :data:`INFERENCE_TEXT`: ``"all"`` (every
+    rule-less Pallas kernel), ``"default"`` (those JAX would refuse) or ``"off"``."""
+    if inferring():
+        return "all"
+    return "default" if inferring_by_default() else "off"
+
+
 def sound_types() -> bool:
     """Whether reprules types rule-less opaque calls and control flow on a varying
     predicate soundly where JAX's types are too small: on unless ``REPRULES_SOUND_TYPES=0``."""

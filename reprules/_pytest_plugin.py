@@ -6,7 +6,8 @@
   session runs under ``reprules.inference()`` (rules derived from kernel bodies).
 * ``@pytest.mark.reprules_devices(n)``: skip unless at least n devices exist.
 * fixtures ``no_all_reduce``, ``collectives``, ``no_implicit_collectives`` and
-  ``no_cheaper_collectives``.
+  ``no_cheaper_collectives`` (each skips a test whose function runs on a mesh of
+  one device, saying how to get more).
 * a report-header line: reprules and JAX versions, device count.
 
 Loading this plugin imports neither JAX nor ``reprules.testing``: they are
@@ -124,13 +125,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> str:
     from reprules import _mode_state  # lazy: the plugin loads in every pytest run (a leaf: no JAX)
 
-    text = f"reprules {_version('reprules')}; JAX {_version('jax')}"
-    if _inference_requested(config):
-        text += "; inference on"
-    elif not _mode_state.inferring_by_default():
-        text += "; inference off"
-    else:
-        text += "; inference where JAX would refuse"
+    mode = "all" if _inference_requested(config) else _mode_state.inference_mode()
+    text = f"reprules {_version('reprules')}; JAX {_version('jax')}; {_mode_state.INFERENCE_TEXT[mode]}"
     n, _ = _requested_devices(config)
     if "jax" in sys.modules or n is not None:
         import jax
@@ -172,12 +168,38 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
             pytest.fail("\n\n".join(found), pytrace=False)
 
 
+def _skip_one_device_mesh(report: Any, fixture: str) -> None:
+    """Skips the test, saying how to get devices, when ``report``'s function runs inside a
+    ``shard_map`` on a mesh of one device: it has no all-reduce to find, so the fixture's
+    verdict would say nothing (issue 36: the README's test passed on one device)."""
+    sizes = [size for _, size in report.mesh]
+    if not sizes or any(size != 1 for size in sizes):
+        return
+    import jax
+
+    axes = ", ".join(f"{name}={size}" for name, size in report.mesh)
+    pytest.skip(
+        f"{fixture}: {report.function} runs on a mesh of 1 device ({axes}; JAX {jax.__version__} has "
+        f"{jax.device_count()} {jax.default_backend()} device{'s' if jax.device_count() > 1 else ''}), "
+        "where no all-reduce can occur, so the check would pass whatever the kernels' rules; run pytest with "
+        f"--reprules-cpu-devices 8 (or set {INI} = 8) to provide fake CPU devices")
+
+
 @pytest.fixture
 def collectives() -> Callable[..., Any]:
-    """``reprules.testing.collectives``: the report of a function's collectives."""
+    """``reprules.testing.collectives``: the report of a function's collectives.
+
+    Skips the test, saying how to get devices, when the function runs on a mesh of
+    one device (a report with nothing to find)."""
     from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
-    return testing.collectives
+    def report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        found = testing.collectives(fn, *args, **kwargs)
+        _skip_one_device_mesh(found, "collectives")
+        return found
+
+    return report
 
 
 @pytest.fixture
@@ -187,16 +209,21 @@ def no_all_reduce() -> Callable[..., Any]:
     Looks at the jaxpr, the lowered StableHLO and the compiled HLO (a dead
     all-reduce, only in the jaxpr, never runs and is ignored, as by
     ``testing.assert_no_all_reduce``), and fails with the offending lines, their source, and the decorator to add when an
-    opaque kernel without a rule is the cause. Returns the report otherwise.
+    opaque kernel without a rule is the cause. Returns the report otherwise. Skips the
+    test, saying how to get devices, when the function runs on a mesh of one device
+    (where no all-reduce can occur, so passing would prove nothing).
     """
     from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
     def check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         try:
-            return testing.assert_no_all_reduce(fn, *args, **kwargs)
+            report = testing.assert_no_all_reduce(fn, *args, **kwargs)
         except testing.CollectivesAssertionError as err:
             message = str(err)
+        else:
+            _skip_one_device_mesh(report, "no_all_reduce")
+            return report
         # Outside the except block: pytest prints the message once, with no
         # "During handling of the above exception" chain.
         pytest.fail(message, pytrace=False)
@@ -204,16 +231,20 @@ def no_all_reduce() -> Callable[..., Any]:
     return check
 
 
-def _failing(check: Callable[..., Any]) -> Callable[..., Any]:
-    """``check`` as a fixture's callable: a ``CollectivesAssertionError`` fails the test with its message."""
+def _failing(check: Callable[..., Any], fixture: str) -> Callable[..., Any]:
+    """``check`` as a fixture's callable: a ``CollectivesAssertionError`` fails the test with its
+    message; a pass on a one-device mesh skips it (nothing could have been found)."""
     from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
     def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         try:
-            return check(fn, *args, **kwargs)
+            report = check(fn, *args, **kwargs)
         except testing.CollectivesAssertionError as err:
             message = str(err)
+        else:
+            _skip_one_device_mesh(report, fixture)
+            return report
         pytest.fail(message, pytrace=False)
 
     return run
@@ -225,7 +256,7 @@ def no_implicit_collectives() -> Callable[..., Any]:
     collective XLA inserted around an opaque kernel (``testing.assert_no_implicit_collectives``)."""
     from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
-    return _failing(testing.assert_no_implicit_collectives)
+    return _failing(testing.assert_no_implicit_collectives, "no_implicit_collectives")
 
 
 @pytest.fixture
@@ -234,4 +265,4 @@ def no_cheaper_collectives() -> Callable[..., Any]:
     collective with a cheaper equivalent (``testing.assert_no_cheaper_collectives``)."""
     from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
-    return _failing(testing.assert_no_cheaper_collectives)
+    return _failing(testing.assert_no_cheaper_collectives, "no_cheaper_collectives")

@@ -159,7 +159,7 @@ def register(kernel: object, rule: RuleLike, *, override: bool, source: str = "?
         raise RegistrationError(
             f"The rule given for kernel {_where(kernel)!r} is {rule!r}, which is not callable.\n"
             "Why: reprules calls the rule with each call's context and input varying sets.\n"
-            "Fix: pass one of reprules.rules (e.g. rules.same()) or a callable "
+            "Fix: pass one of reprules.rules (e.g. reprules.rules.same(), with `import reprules`) or a callable "
             "`rule(ctx, in_varying) -> Decision | sequence of sets`."
         )
     try:

@@ -244,7 +244,7 @@ class inferred:
             "Why: it marks a package whose kernels get rules derived from their bodies; it has no "
             "answer of its own.\n"
             "Fix: register it on reprules.kernels_in(\"pkg\"), and give a single kernel a rule such as "
-            "rules.same()."
+            "reprules.rules.same() (with `import reprules`)."
         )
 
     def __repr__(self) -> str:

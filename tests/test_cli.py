@@ -125,6 +125,7 @@ def target(tmp_path, monkeypatch):
     (tmp_path / "user_steps.py").write_text(TARGET)
     (tmp_path / "broken_steps.py").write_text("raise ValueError('bad config')\n")
     (tmp_path / "named_steps.py").write_text(NAMED)
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit('needs equinox')\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "user_steps"
@@ -172,9 +173,9 @@ def test_default_audit_json(capsys):
     out, err = capsys.readouterr()
     assert err == ""
     doc = json.loads(out)
-    assert doc["schema_version"] == _cli.SCHEMA_VERSION == 1
+    assert doc["schema_version"] == _cli.SCHEMA_VERSION == 2
     assert doc["target"] is None and doc["jax"] == jax.__version__ and doc["reprules"] == reprules.__version__
-    assert doc["inference"] is False and doc["unmatched_kernel_names"] == []
+    assert doc["inference"] == "default" and doc["unmatched_kernel_names"] == []
     assert doc["devices"] == 8 and doc["mesh"] == {"data": 4, "model": 2}
     by = {w["name"]: w for w in doc["workloads"]}
     assert set(by) == {"issue21855", "tp_mlp", "layer_norm"}
@@ -216,7 +217,7 @@ def test_user_target_off_vs_on(target, capsys):
 def test_user_target_off_vs_on_json(target, capsys):
     assert _cli.main(["audit", f"{target}:compared", "--json", "--quiet"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["schema_version"] == 1 and doc["target"] == f"{target}:compared"
+    assert doc["schema_version"] == 2 and doc["target"] == f"{target}:compared"
     (w,) = doc["workloads"]
     assert w["name"] == "copy_step" and w["error"] is None and "given" not in w
     assert (w["off"]["count"], w["off"]["defensive_count"], w["off"]["defensive_bytes"]) == (1, 1, 1024)
@@ -241,11 +242,35 @@ def test_infer_covers_the_unruled_target(target, capsys, tmp_path):
     assert _cli.main(["audit", f"{target}:unruled", "--infer", "--json", "--quiet"]) == 0
     doc = json.loads(capsys.readouterr().out)
     (w,) = doc["workloads"]
-    assert doc["inference"] is True and w["error"] is None
+    assert doc["inference"] == "all" and w["error"] is None
     (off,), (on,) = w["off"]["kernels"], w["on"]["kernels"]
     assert (off["covered_by"], off["inference"]) == ("none", {"covers": True, "rule": "inferred(out0 <- [0])"})
     assert (on["covered_by"], on["has_rule"], on["inference"]) == ("inference", True, None)
     assert w["on"]["max_error"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["default", "off"])
+def test_mode_line_json_html_and_rows_agree(target, capsys, tmp_path, mode):
+    """Issue 36: the header said `inference off` and the JSON `false` while a row said `covered by
+    inference`. One source: the mode the reprules side was traced in, in text, JSON and HTML."""
+    import contextlib
+
+    text = {"default": "inference where JAX would refuse", "off": "inference off"}[mode]
+    page = tmp_path / "report.html"
+    with reprules.inference(False) if mode == "off" else contextlib.nullcontext():
+        code = _cli.main(["audit", f"{target}:unruled", "--quiet", "--html", str(page)])
+        out = capsys.readouterr().out
+        assert _cli.main(["audit", f"{target}:unruled", "--json", "--quiet"]) == code
+        doc = json.loads(capsys.readouterr().out)
+    assert out.splitlines()[1] == f"mode: {text}", out
+    assert doc["inference"] == mode and f"{text} · " not in page.read_text() and f"· {text}" in page.read_text()
+    (w,) = doc["workloads"]
+    if mode == "default":  # JAX would refuse the rule-less kernel: inference covers it, and says so
+        assert code == 0 and [k["covered_by"] for k in w["on"]["kernels"]] == ["inference"]
+        assert re.search(r"\n +user_copy_kernel +pallas_call +2 +inferred\(out0 <- \[0\]\) +inference ", out), out
+    else:  # no inference anywhere: the checked step fails, and no row says `inference`
+        assert code == 1 and "MissingRuleError" in w["error"] and "on" not in w
+        assert [k["covered_by"] for k in w["off"]["kernels"]] == ["none"]
 
 
 def test_rules_by_name_and_names_that_match_nothing(target, capsys):
@@ -339,7 +364,12 @@ def test_user_target_json_and_needed_all_reduce(target, capsys):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("user_steps", "is not of the form module:callable"),
+        ("named_steps", r"(?s)Module 'named_steps' has no attribute 'audit_step' \(the default, as the target "
+                        r"names none\).*Fix: .*named_steps:my_step.*def audit_step\(check=True\)"),
+        ("missing_steps.py", r"(?s)no file 'missing_steps.py'.*Fix: check the path"),
+        ("broken_steps.py:f", r"(?s)Running file 'broken_steps.py' of target 'broken_steps.py:f' raised ValueError: "
+                              r"bad config.*Fix: run `python broken_steps.py`"),
+        ("exits.py", r"(?s)Running file 'exits.py' .* raised SystemExit: needs equinox"),
         ("no_such_module_xyz:f", "Cannot import module 'no_such_module_xyz'"),
         ("broken_steps:f", r"(?s)Importing module 'broken_steps' of target 'broken_steps:f' raised ValueError: "
                            r"bad config.*Fix: run `python -c 'import broken_steps'`"),
@@ -356,6 +386,24 @@ def test_bad_targets_are_usage_errors(target, capsys, spec, message):
     assert err.startswith("reprules audit: error:")
     assert "Traceback" not in err
     assert re.search(message, err)
+
+
+def test_a_file_target_named_with_a_digit_and_the_default_callable(target, capsys, tmp_path):
+    """Issue 36: `reprules audit examples/01_issue21855.py` said `is not of the form module:callable`.
+    A path (its file name need not be a module name) and a module each take `:callable` or
+    default to `audit_step`."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "01_steps.py").write_text(TARGET)
+    assert _cli.main(["audit", "sub/01_steps.py:compared", "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (w,) = doc["workloads"]
+    assert doc["target"] == "sub/01_steps.py:compared" and w["name"] == "copy_step" and w["error"] is None
+    assert (w["off"]["defensive_count"], w["on"]["defensive_count"], w["on"]["max_error"]) == (1, 0, 0.0)
+    assert w["on"]["kernels"][0]["source"].endswith("01_steps.py:" + w["on"]["kernels"][0]["source"].split(":")[-1])
+    for spec in (str(tmp_path / "sub" / "01_steps.py"), "user_steps"):  # no callable: audit_step
+        assert _cli.main(["audit", spec, "--quiet"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"reprules audit of {spec}:") and "audited as given" in out, out
 
 
 def test_a_target_that_raises_is_a_failure_without_traceback(target, capsys):

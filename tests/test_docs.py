@@ -137,6 +137,20 @@ def test_readme_runs_under_pytest(tmp_path):
     assert f"{tests} passed" in out and "skipped" not in out, out[-4000:]
 
 
+def test_readme_example_skips_on_one_device_saying_how_to_get_more(tmp_path):
+    """Issue 36: run without --reprules-cpu-devices, the README's test passed on a mesh of one
+    device, where no all-reduce can occur. The fixtures skip it, saying how to get devices."""
+    path = tmp_path / "test_copy.py"
+    path.write_text(readme_python()[0])
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", path.name],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and "1 skipped" in out and "passed" not in out, out[-4000:]
+    assert re.search(r"no_all_reduce: \S+ runs on a mesh of 1 device \(model=1;.*run pytest with\s+"
+                     r"--reprules-cpu-devices 8", " ".join(out.split())), out[-4000:]
+
+
 def test_readme_example_is_the_sites():
     """The site's home page shows the README's example, unchanged."""
     index = (ROOT / ".docs" / "pages" / "index.md").read_text()

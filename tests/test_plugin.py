@@ -80,6 +80,32 @@ def test_on_passes(no_all_reduce, collectives):
     assert failures.count("Why: these are defensive all-reduces") == 1, text
 
 
+def test_fixtures_skip_a_one_device_mesh(pytester):
+    """Issue 36: on a mesh of one device no all-reduce can occur, so both fixtures skip
+    the test (saying how to get devices) rather than let it pass vacuously."""
+    pytester.makepyfile(test_one="""
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from reprules.testing import shard_map
+
+def step():
+    f = shard_map(lambda x: x * 2.0, Mesh(jax.devices()[:1], "model"), P(), P())
+    return jax.grad(lambda x: f(x).sum()), jnp.ones((8, 128))
+
+def test_no_all_reduce(no_all_reduce):
+    no_all_reduce(*step())
+
+def test_collectives(collectives):
+    assert collectives(*step()).count("all-reduce") == 1
+""")
+    result = pytester.runpytest_inprocess(*PLUGIN, "-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(skipped=2)
+    text = " ".join(result.stdout.str().split())
+    for fixture in ("no_all_reduce", "collectives"):
+        assert f"{fixture}: <lambda> runs on a mesh of 1 device (model=1; JAX " in text, text
+    assert text.count("run pytest with --reprules-cpu-devices 8") == 2, text
+
+
 def test_cpu_devices_option_and_marker_in_a_fresh_process(pytester):
     pytester.makepyfile(test_devices='''
 import jax, pytest

@@ -57,7 +57,7 @@ def test_unregister_removes_the_rule_and_restores_jax(dormant):
 
 
 def test_decorator_without_parentheses_is_refused():
-    with pytest.raises(reprules.RegistrationError, match=r"(?s)applied directly to 'copy_kernel'.*@replication_rule\(\)"):
+    with pytest.raises(reprules.RegistrationError, match=r"(?s)applied directly to 'copy_kernel'.*@reprules\.replication_rule\(\)"):
         reprules.replication_rule(copy_kernel)
 
 
@@ -68,6 +68,35 @@ def test_partial_and_non_callables_are_refused():
         reprules.replication_rule()(42)
     with pytest.raises(reprules.RegistrationError, match=r"(?s)is 'same', which is not callable"):
         reprules.replication_rule("same")(copy_kernel)
+
+
+def _imports_what_it_uses(message):
+    """Issue 36: a Fix that uses `reprules.` says `import reprules`; one that uses a bare
+    `rules.` says `from reprules import rules`."""
+    import re
+
+    message = message.split("Fix:", 1)[1]
+    if "reprules." in message.replace("import reprules", ""):
+        assert "import reprules" in message, message
+    if re.search(r"(?<![\w.])rules\.\w+\(", message):
+        assert "from reprules import rules" in message, message
+
+
+def test_error_snippets_import_what_they_use():
+    messages = []
+    for bad in (lambda: reprules.replication_rule(copy_kernel), lambda: reprules.replication_rule("same")(copy_kernel),
+                lambda: reprules.replication_rule(rules.inferred())(copy_kernel)):
+        with pytest.raises(reprules.RegistrationError) as info:
+            bad()
+        messages.append(str(info.value))
+    with pytest.raises(reprules.RuleError) as info:
+        import types
+
+        ctx = types.SimpleNamespace(kernel_name="copy_kernel", mesh_axes=("data",), jax_version=jax.__version__)
+        rules.inferred()(ctx, ())  # a user calling the marker by hand
+    messages.append(str(info.value))
+    for message in messages:
+        _imports_what_it_uses(message)
 
 
 def test_rule_naming_an_axis_not_in_the_mesh():

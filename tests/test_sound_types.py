@@ -210,6 +210,23 @@ def test_switch_on_a_data_varying_index_gradient_is_exact(data):
     assert count_all_reduce(jax.grad(f, argnums=1), x, w)[1:] == (1, 1)  # compiled: dL/dw's, outside the switch
 
 
+def test_branches_calling_custom_jvp_functions_are_retyped_with_their_rules(data):
+    """jax.nn.relu is a custom_jvp: retyped with its own JVP rule kept (its gradient at 0 is 0)."""
+    mesh, x, _ = data
+    w = put(jnp.array([-1.0, 0.0, 0.5, 2.0]), mesh, P())
+
+    def branches(x, w):
+        return jax.lax.cond(x.sum() > 70.0, lambda: jax.nn.relu(w) * 2.0, lambda: jax.nn.softplus(w))
+
+    def body(x, w):
+        return jax.lax.psum(branches(x, w).sum(), "data")
+
+    expected = jax.grad(lambda w: sum(branches(s, w).sum() for s in jnp.split(np.asarray(x), 4)))(np.asarray(w))
+    for check in (False, True):
+        got = jax.jit(jax.grad(shard_map(body, mesh, (P("data", None), P()), P(), check=check), argnums=1))(x, w)
+        assert max_err(got, expected) < 1e-5, check
+
+
 def test_replicated_out_specs_over_varying_control_flow_is_refused(data):
     mesh, x, _ = data
 

@@ -62,7 +62,7 @@ def _register(module: ModuleType, rule: rules.RuleLike, function: str) -> None:
             f"{module.__name__} in JAX {jax.__version__} has no {', '.join(missing)}: renamed or removed "
             "in JAX, so calls of it get no rule (the module's other kernels have theirs).\n"
             "Fix: upgrade reprules; until then, register the renamed kernel yourself with "
-            "reprules.replication_rule(rules.same())(kernel)."
+            "`import reprules` and reprules.replication_rule(reprules.rules.same())(kernel)."
         )
 
 

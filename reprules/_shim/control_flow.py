@@ -180,6 +180,8 @@ def _evaluate(field: TypeField, closed: Any, args: Sequence[Any]) -> list[Any]:
             outs = prim.bind(*invals, **params)  # typed for these very inputs: as it was
         elif inner is not None:
             outs = _evaluate(field, inner, invals)
+        elif prim is _custom_jvp_call():
+            outs = _custom_jvp(field, prim, params, invals)
         elif prim is getattr(core, "pvary_p", None):
             have = frozenset().union(*(field.varying(jax.typeof(v)) for v in invals))
             axes = tuple(a for a in params["axes"] if a not in have)
@@ -194,6 +196,37 @@ def _evaluate(field: TypeField, closed: Any, args: Sequence[Any]) -> list[Any]:
         for var, value in zip(eqn.outvars, outs):
             env[var] = value
     return [read(v) for v in closed.jaxpr.outvars]
+
+
+def _custom_jvp(field: TypeField, prim: Any, params: dict[str, Any], invals: Sequence[Any]) -> Any:
+    """A ``custom_jvp`` call (``jax.nn.relu``) bound again on retyped operands: its
+    function and its JVP rule's jaxpr evaluated as :func:`_evaluate` does, the rule
+    kept (what JAX's ``lift_jvp`` does, with this evaluator instead of ``eval_jaxpr``)."""
+    call, num_consts, jvp_jaxpr_fun = params["call_jaxpr"], params["num_consts"], params["jvp_jaxpr_fun"]
+    symbolic_zero = _jax.module("jax._src.custom_derivatives").SymbolicZero
+    fun = lu.wrap_init(lambda *args: _evaluate(field, call, args), debug_info=call.jaxpr.debug_info)
+
+    def jvp(*xs: Any) -> list[Any]:
+        n = len(xs) // 2
+        primals, tangents = xs[num_consts:n], xs[n + num_consts:]
+        jvp_jaxpr, consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*(type(t) is symbolic_zero for t in tangents))
+        nonzero = [t for t in tangents if type(t) is not symbolic_zero]
+        out = _evaluate(field, _jax.ClosedJaxpr(jvp_jaxpr, consts), [*primals, *nonzero])
+        out_primals, nonzero_out = out[:len(out_zeros)], iter(out[len(out_zeros):])
+        out_tangents = [symbolic_zero(jax.typeof(p).to_tangent_aval()) if zero else next(nonzero_out)
+                        for p, zero in zip(out_primals, out_zeros)]
+        return [*out_primals, *out_tangents]
+
+    rule = lu.wrap_init(jvp, debug_info=jvp_jaxpr_fun.debug_info)
+    bind_params = prim.get_bind_params(params)
+    if isinstance(bind_params, dict):  # 0.10+: the functions are a parameter
+        return prim.bind(*invals, **{**bind_params, "subfuns": (fun, rule)})
+    return prim.bind(fun, rule, *invals, **bind_params[1])  # 0.6 - 0.9: they come first
+
+
+@functools.cache
+def _custom_jvp_call() -> Any:
+    return _jax.primitive("jax._src.custom_derivatives", "custom_jvp_call_p")
 
 
 def _unify(field: TypeField, values: Sequence[Any]) -> list[Any]:

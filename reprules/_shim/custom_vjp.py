@@ -205,7 +205,8 @@ def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: Call, fie
         # jaxpr (a cached trace is reused without tracing the kernel again).
         if staged is not None:  # the bwd's equations are there to read: no second trace
             if own.involved or fwd_involves_registered(fwd, call) or staged.calls_registered():
-                return _fixed_cts(out, staged.taints(out, bwd_args, field), call, field)
+                return _fixed_cts(out, staged.taints(out, bwd_args, field), call, field,
+                                  _staged_jaxpr(staged, bwd_args, out))
             return out  # JAX's own refusal stands
         if own.involved or fwd_involves_registered(fwd, call):
             return _traced_and_fixed(bwd, call, field, bwd_args, None)
@@ -303,7 +304,7 @@ def _traced_and_fixed(bwd: Callable[..., Any], call: Call, field: TypeField, bwd
         _bwd_trace.traces.put(bwd, key, _bwd_trace.SEEN)
         staged.begin()
         out = bwd(*bwd_args.args)
-        return _fixed_cts(out, staged.taints(out, bwd_args, field), call, field)
+        return _fixed_cts(out, staged.taints(out, bwd_args, field), call, field, _staged_jaxpr(staged, bwd_args, out))
     if not isinstance(traced, _bwd_trace.BwdTrace):
         watch = _kernels.Watch()
         with _kernels.watching(watch):
@@ -316,10 +317,18 @@ def _traced_and_fixed(bwd: Callable[..., Any], call: Call, field: TypeField, bwd
     if only_if_registered and not traced.involved:
         return None
     out = jax.tree_util.tree_unflatten(traced.out_tree, _bwd_trace.replay(traced.closed, dyn_args))
-    return _fixed_cts(out, jax.tree_util.tree_unflatten(traced.out_tree, traced.taints), call, field)
+    return _fixed_cts(out, jax.tree_util.tree_unflatten(traced.out_tree, traced.taints), call, field,
+                      lambda: (traced.closed.jaxpr, bwd_args.num_res))
 
 
-def _fixed_cts(out: Any, taint_tree: Any, call: Call, field: TypeField) -> Any:
+BwdJaxpr = Callable[[], tuple[Any, int]]  # the bwd's jaxpr and its residual count, for an error's Why
+
+
+def _staged_jaxpr(staged: Staged, bwd_args: BwdArgs, out: Any) -> BwdJaxpr:
+    return lambda: (staged.jaxpr(bwd_args.dyn_args, jax.tree_util.tree_leaves(out)), bwd_args.num_res)
+
+
+def _fixed_cts(out: Any, taint_tree: Any, call: Call, field: TypeField, bwd_jaxpr: BwdJaxpr | None = None) -> Any:
     """The bwd's output ``out`` with each cotangent fixed by :func:`_fix_leaf`
     (``taint_tree``: the taint of each leaf of ``out``)."""
     cts, logs = _split_logs(out, call)
@@ -333,38 +342,49 @@ def _fixed_cts(out: Any, taint_tree: Any, call: Call, field: TypeField) -> Any:
         field.varying(t) for t in jax.tree_util.tree_leaves(call.primal_types) if isinstance(t, core.AbstractValue)])
     manual = hidden.known if hidden is not None else _types.manual_axes()
     with _types.call_axes(manual, avals):
-        fixed_cts = _fix_leaves(cts, ct_taints, call, field, manual)
+        fixed_cts = _fix_leaves(cts, ct_taints, call, field, manual, bwd_jaxpr)
     return (fixed_cts, logs) if call.with_logs else fixed_cts
 
 
 def _fix_leaves(cts: Sequence[Any], ct_taints: Sequence[Any], call: Call, field: TypeField,
-                manual: tuple[str, ...]) -> tuple[Any, ...]:
+                manual: tuple[str, ...], bwd_jaxpr: BwdJaxpr | None = None) -> tuple[Any, ...]:
     fixed: list[Any] = []
     assert call.primal_types is not None
     for index, (ct, taint, types) in enumerate(zip(cts, ct_taints, call.primal_types)):
         if ct is None:
             fixed.append(None)
         elif isinstance(types, core.AbstractValue) and isinstance(ct, (jax.Array, core.Tracer)):
-            fixed.append(_fix_leaf(ct, taint, types, index, call, field, manual))  # an array: a leaf
+            fixed.append(_fix_leaf(ct, taint, types, index, call, field, manual, bwd_jaxpr))  # an array: a leaf
         else:
             fixed.append(jax.tree_util.tree_map(
-                lambda c, t, ty, i=index: _fix_leaf(c, t, ty, i, call, field, manual),
+                lambda c, t, ty, i=index: _fix_leaf(c, t, ty, i, call, field, manual, bwd_jaxpr, leaf=False),
                 ct, taint, types, is_leaf=lambda x: x is None,
             ))
     return tuple(fixed)
 
 
 def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: int, call: Call,
-              field: TypeField, manual: tuple[str, ...]) -> Any:
+              field: TypeField, manual: tuple[str, ...], bwd_jaxpr: BwdJaxpr | None = None,
+              leaf: bool = True) -> Any:
     if ct is None or primal_type is None or not hasattr(primal_type, "shape"):
         return ct
     have, want = _ct_varying(field, ct), field.varying(primal_type)
     excess = have - want
     if excess & (taint or frozenset()):
+        bad = excess & (taint or frozenset())
+        causes: list[tuple[str, str]] = []
+        if bwd_jaxpr is not None:
+            try:  # only to explain: an error here must not hide the CotangentError
+                jaxpr, num_res = bwd_jaxpr()
+                ins = [None] * num_res + [frozenset()] * (len(jaxpr.invars) - num_res)
+                causes = list(dict.fromkeys(_taint_origins(jaxpr, ins, field, bad)))
+            except Exception:  # noqa: BLE001
+                causes = []
         raise _errors.CotangentError(
             _errors.mixed_cotangent_message(
                 call.name, input_name(call, index), str(primal_type.str_short()),
-                excess & (taint or frozenset()), manual, _jax.JAX_VERSION,
+                bad, manual, _jax.JAX_VERSION, bwd=call.bwd, position=index if leaf else None,
+                causes=causes,
             )
         )
     if excess or want - have:
@@ -376,6 +396,68 @@ def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: in
             if want - have:  # a replicated cotangent for a varying input: a free cast (its transpose: a psum)
                 ct = _types.cast_up(ct, want - have)
     return ct
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """A jaxpr whose outputs are every equation's outputs (to read each one's taint)."""
+
+    invars: Sequence[Any]
+    eqns: Sequence[Any]
+    outvars: Sequence[Any]
+
+
+def _taint_origins(jaxpr: Any, in_taints: Sequence[frozenset[str] | None], field: TypeField,
+                   axes: frozenset[str], depth: int = 0) -> list[tuple[str, str]]:
+    """For a :class:`reprules.CotangentError`'s Why: the equations of the bwd where a taint over
+    ``axes`` starts (see ``_taint.taint_flow``), each as ``(kind, description)``; ``kind`` is
+    ``"body"`` (a kernel or collective that names the axes) or ``"cast"`` (a value replicated
+    over them made varying)."""
+    view = _View(jaxpr.invars, jaxpr.eqns, [o for e in jaxpr.eqns for o in e.outvars])
+    taint = {v: t for v, t in zip(jaxpr.invars, in_taints) if t is not None}
+    taint.update((v, t) for v, t in zip(view.outvars, _taint.taint_flow(view, in_taints, field)) if t is not None)
+    found: list[tuple[str, str]] = []
+    for eqn in jaxpr.eqns:
+        ins = frozenset().union(*(taint.get(v, frozenset()) for v in eqn.invars if isinstance(v, core.Var)))
+        new = (frozenset().union(*(taint.get(o, frozenset()) for o in eqn.outvars)) - ins) & axes
+        if not new:
+            continue
+        body = _taint.call_body(eqn)
+        inner = [] if body is None or depth > 8 else _taint_origins(
+            body, [taint.get(v) if isinstance(v, core.Var) else None for v in eqn.invars], field, new, depth + 1)
+        found += inner or [_describe(eqn, new)]
+    return found
+
+
+def _describe(eqn: Any, axes: frozenset[str]) -> tuple[str, str]:
+    over = _errors.fmt_axes(axes)
+    info = getattr(eqn, "source_info", None)
+    at = f" at {_jax.source_info_util.summarize(info)}" if info is not None else ""
+    name = eqn.primitive.name
+    named = _taint.collective_axes(eqn) & axes
+    if name == "pallas_call" or _rules.kernel_opaque(eqn.primitive) is not None:
+        debug = getattr(eqn.params.get("jaxpr"), "debug_info", None)  # 0.5+: "kernel at file:line"
+        src = str(getattr(debug, "func_src_info", "") or "")
+        defined = f", defined at {src.split(' at ', 1)[1]}" if not at and " at " in src else ""
+        kernel = f"the Pallas kernel {_kernels.kernel_name_from_params(eqn.params)!r} ({name}{at}{defined})"
+        if named:
+            what = _naming(eqn.params, axes)
+            return "body", (f"it goes through {kernel}, whose body names {over}"
+                            f"{f' (`{what}`: it reads the device index or communicates)' if what else ''}")
+        return "cast", f"{kernel} took a value replicated over {over} and made its output vary over it (its rule)"
+    if named and name not in ("pvary", "pcast", "pbroadcast"):
+        return "body", f"it goes through `{name}`{at}, which communicates over or reads the index on {over}"
+    return "cast", f"`{name}`{at} made a value computed from the incoming cotangent, replicated over {over}, vary over it"
+
+
+def _naming(params: Any, axes: frozenset[str]) -> str:
+    """The first primitive inside a kernel's jaxpr whose params name one of ``axes``."""
+    for value in params.values():
+        sub = getattr(value, "jaxpr", value)
+        for e in getattr(sub, "eqns", ()):
+            if _taint.collective_axes(e) & axes:
+                return _naming(e.params, axes) or str(e.primitive.name)
+    return ""
 
 
 def input_name(call: Call, index: int) -> str:

@@ -196,9 +196,31 @@ def _check(frame: _Frame, watch: _kernels.Watch, run: Callable[..., Any], args: 
                 _errors.mixed_cotangent_message(
                     call.name, custom_vjp.input_name(call, index),
                     leaf.str_short() if hasattr(leaf, "str_short") else "?", bad, tuple(mesh.axis_names),
-                    _jax.JAX_VERSION, psummed_by="JAX (check_rep)",
+                    _jax.JAX_VERSION, psummed_by="JAX (check_rep)", bwd=call.bwd,
+                    position=index if len(leaves) == 1 else None,
+                    causes=list(dict.fromkeys(_causes(closed.jaxpr, [i >= num_res for i in range(len(args))], bad))),
                 )
             )
+
+
+def _causes(jaxpr: Any, dep_in: Sequence[bool], axes: frozenset[str], depth: int = 0) -> list[tuple[str, str]]:
+    """For the CotangentError's Why: the equations on the cotangents' path that name ``axes``
+    (a kernel whose body reads the device index or communicates, a collective, a cast), as
+    :func:`custom_vjp._describe` tells them."""
+    dep = {v for v, d in zip(jaxpr.invars, dep_in) if d}
+    found: list[tuple[str, str]] = []
+    for eqn in jaxpr.eqns:
+        uses = [isinstance(v, _jax.core.Var) and v in dep for v in eqn.invars]
+        if not any(uses):
+            continue
+        dep.update(eqn.outvars)
+        named = _taint.collective_axes(eqn) & axes
+        if not named:
+            continue
+        body = _taint.call_body(eqn)
+        inner = [] if body is None or depth > 8 else _causes(body, uses, named, depth + 1)
+        found += inner or [custom_vjp._describe(eqn, named)]
+    return found
 
 
 def _dynamic_index(leaf_counts: Sequence[int], k: int) -> int:
