@@ -95,8 +95,7 @@ def implicit_rows(report: Report) -> list[tuple[str, ...]]:
     for c in report.implicit:
         rows.append((c.kind, ",".join(c.axes) if c.axes else "?", f"{c.dtype}[{','.join(map(str, c.shape))}]",
                      str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), time_text(c.seconds),
-                     f"{c.kernel} ({c.primitive})", short(c.call_source),
-                     "predicted (TPU/GPU)" if c.predicted else f"{c.backend} HLO"))
+                     c.kernel, short(c.call_source), "predicted" if c.predicted else f"{c.backend} HLO"))
     return rows
 
 
@@ -110,7 +109,8 @@ def cheaper_rows(report: Report) -> list[tuple[str, ...]]:
 
 def fixes(report: Report) -> list[str]:
     """One line per finding: the fix (implicit) or the rewrite (cheaper)."""
-    out = [f"implicit {c.kind} into {c.kernel}: {c.fix()}" for c in report.implicit]
+    out = [f"implicit {c.kind} into {c.kernel} ({c.primitive}"
+           + (", predicted for a TPU/GPU compile" if c.predicted else "") + f"): {c.fix()}" for c in report.implicit]
     out += [f"{c.kind} at {short(c.source)}: {c.rewrite}" for c in report.cheaper]
     return out
 
