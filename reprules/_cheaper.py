@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from reprules import _hlo, _hlo_graph, _link_model
 from reprules._comm import CheaperCollective
@@ -134,8 +135,8 @@ def find(graph: _hlo_graph.Graph, collectives: Sequence[Collective], data_replic
         n = math.prod(mesh.get(a, 1) for a in c.axes) if c.axes else 0
         shape = c.shapes[0] if c.shapes else ()
         now = _link_model.seconds(c.kind, c.bytes, n, link) if n else 0.0
-        common = dict(kind=c.kind, axes=c.axes, dtype=c.dtype, shape=shape, bytes=c.bytes, seconds=now,
-                      source=c.source, backend=backend, executions=c.executions)
+        common: dict[str, Any] = dict(kind=c.kind, axes=c.axes, dtype=c.dtype, shape=shape, bytes=c.bytes,
+                                      seconds=now, source=c.source, backend=backend, executions=c.executions)
         replicated = data_replicated[i] if i < len(data_replicated) else ()
         line = next((text for level, text in c.lines if level == "hlo"), "")
         if c.kind == "all-reduce" and c.primitive in ("psum", "psum2", "psum_invariant") and replicated \

@@ -6,6 +6,12 @@ collective at three levels: the jaxpr (``shard_map``, ``custom_vjp``, ``scan``,
 HLO. Checking all three matters: from JAX 0.10.2, XLA:CPU folds an all-reduce
 of a constant cotangent away, while the jaxpr and StableHLO still have it.
 
+It also finds the communication nobody wrote: collectives XLA's partitioner
+inserted around opaque kernels called outside ``shard_map`` (``report.implicit``,
+``assert_no_implicit_collectives``) and collectives with a cheaper equivalent
+still in the compiled program (``report.cheaper``, ``assert_no_cheaper_collectives``),
+with a link model's time estimates (``report.seconds()``).
+
 Two helpers set up what such tests and scripts need on every supported JAX:
 ``fake_cpu_devices(n)`` (before JAX starts) and ``shard_map(..., check=True)``.
 ``cpu_kernels`` holds opaque C++ FFI kernels for CPU (``copy``, ``mul``,
