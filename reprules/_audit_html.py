@@ -149,6 +149,7 @@ def _summary_table(w: Mapping[str, Any], keys: Sequence[str]) -> str:
         ("needed", [count(w[k], "needed") for k in keys]),
         *([("dead (not counted)", [f"{w[k].get('dead_count', 0)}" for k in keys])]
           if any(w[k].get("dead_count") for k in keys) else []),
+        *_communication_rows(w, keys),
         ("kernels with rules", [f"{w[k]['kernels_with_rules']}/{w[k]['kernels_total']}"
                                 if w[k]["kernels_total"] else "none" for k in keys]),
         ("max error vs reference", [error(w[k]) for k in keys]),
@@ -247,6 +248,7 @@ def _workload(w: Mapping[str, Any], index: int) -> str:
             out.append(f"<h3>Kernels, {_e(LABELS[k])}</h3>" + _kernel_table(v["kernels"]))
         out.append(f"<h3>Collectives, {_e(LABELS[k])}</h3>")
         out.append(_collective_table(v["collectives"]) if v["collectives"] else '<p class="note">none</p>')
+    out += _communication_sections(w, keys)
     if w.get("error"):
         out.append(f'<h3>Failed</h3><pre class="error">{_e(str(w["error"])[:4000])}</pre>')
     out.append("</section>")
@@ -291,3 +293,64 @@ def render(doc: Mapping[str, Any]) -> str:
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             f"<title>reprules audit of {_e(what)}</title><style>{_CSS}</style></head>"
             f"<body><main>{''.join(body)}</main></body></html>\n")
+
+
+# --- implicit collectives and cheaper equivalents (schema 3) ------------------------------
+
+
+def _seconds(s: float) -> str:
+    if not s:
+        return "0"
+    return f"{s * 1e6:.3g} µs" if s < 1e-3 else f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _communication_rows(w: Mapping[str, Any], keys: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Summary rows beside the defensive ones: bytes that could be saved, implicit, estimated time."""
+    if not all("savable_bytes" in w[k] for k in keys):  # a document older than schema 3
+        return []
+    link = next((w[k]["link"]["name"] for k in keys if w[k].get("link")), "?")
+    return [
+        ("could be saved", [f"{w[k]['cheaper_count']} ({_bytes(w[k]['savable_bytes'])})" for k in keys]),
+        ("implicit (XLA, kernels)", [f"{w[k]['implicit_count']} ({_bytes(w[k]['implicit_bytes'])})" for k in keys]),
+        (f"est. time ({link})", [_seconds(w[k]["est_seconds"]) for k in keys]),
+    ]
+
+
+def _communication_sections(w: Mapping[str, Any], keys: Sequence[str]) -> list[str]:
+    """Per variant: the implicit collectives and the cheaper equivalents, with their fixes."""
+    out = []
+    for k in keys:
+        v = w[k]
+        if "implicit" not in v:
+            continue
+        out.append(f"<h3 class='implicit'>Implicit collectives (inserted by XLA around opaque kernels), "
+                   f"{_e(LABELS[k])}</h3>")
+        if v["implicit"]:
+            rows = "".join(
+                f"<tr class='implicit'><td>{_e(c['kind'])}</td><td>{_e(','.join(c['axes'] or ['?']))}</td>"
+                f"<td class='mono'>{_e(c['dtype'])}[{_e(','.join(map(str, c['shape'])))}]</td>"
+                f"<td class='num'>{c['bytes']:,}</td><td class='num'>{_e(_seconds(c['seconds']))}</td>"
+                f"<td><code>{_e(c['kernel'])}</code> ({_e(c['primitive'])}), operand {c['operand']}</td>"
+                f"<td>{_source(c['call_source'])}</td>"
+                f"<td>{'predicted for TPU/GPU' if c['predicted'] else _e(c['backend']) + ' HLO'}</td>"
+                f"<td class='why'>{_e(c['fix'])}</td></tr>" for c in v["implicit"])
+            out.append("<table class='implicit wide'><tr><th>kind</th><th>over</th><th>type</th>"
+                       "<th class='num'>bytes</th><th class='num'>est.</th><th>kernel</th><th>call</th>"
+                       f"<th>found</th><th>fix</th></tr>{rows}</table>")
+        else:
+            out.append('<p class="note">none</p>')
+        out.append(f"<h3 class='cheaper'>Collectives with a cheaper equivalent (compiled {_e(v.get('backend') or '?')} "
+                   f"HLO), {_e(LABELS[k])}</h3>")
+        if v["cheaper"]:
+            rows = "".join(
+                f"<tr class='cheaper'><td>{_e(c['kind'])}</td><td>{_e(','.join(c['axes'] or ['?']))}</td>"
+                f"<td class='num'>{c['bytes']:,}</td><td class='num'>{c['bytes_after']:,}</td>"
+                f"<td class='num'>{c['saved_bytes']:,} B, {_e(_seconds(c['saved_seconds']))}</td>"
+                f"<td>{_e(c['cheaper'])}<div class='why'>{_e(c['meaning'])}</div></td>"
+                f"<td>{_source(c['source'])}</td><td><code>{_e(c['rewrite'])}</code></td></tr>" for c in v["cheaper"])
+            out.append("<table class='cheaper wide'><tr><th>kind</th><th>over</th><th class='num'>bytes now</th>"
+                       "<th class='num'>after</th><th class='num'>saved</th><th>could be</th><th>source</th>"
+                       f"<th>rewrite</th></tr>{rows}</table>")
+        else:
+            out.append('<p class="note">none</p>')
+    return out

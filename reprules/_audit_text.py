@@ -13,6 +13,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from reprules import _audit_comm
 from reprules._report import ADDED_MEANING, ADDED_TEXT, Report
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ def render_workload(entry: Mapping[str, Any]) -> list[str]:
         ("  needed", *(_count(reports[k], False) for k in keys)),
         *([("  dead (not counted)", *(_count(reports[k], dead=True) for k in keys))]
           if any(reports[k].dead_collectives for k in keys) else []),
+        *_audit_comm.summary_rows(reports, keys),  # could be saved (cheaper), implicit, est. time
         ("kernels with rules", *(_kernels(reports[k]) for k in keys)),
         ("max error vs reference", *(_error(entry[k]["max_error"]) for k in keys)),
     ]
@@ -154,7 +156,28 @@ def render_workload(entry: Mapping[str, Any]) -> list[str]:
         lines.append(f"   collectives, {LABELS[k]}:" + ("" if report.collectives else " none"))
         if report.collectives:
             lines += table(_collective_rows(report), "     ", right=(0, 4))
+    lines += _communication_sections(reports, keys)
     return lines + failure
+
+
+def _communication_sections(reports: Mapping[str, Report], keys: Sequence[str]) -> list[str]:
+    """Per variant: the implicit collectives and those with a cheaper equivalent, with fixes."""
+    backend = next((reports[k].backend for k in keys if reports[k].backend), "?")
+    if not any(reports[k].implicit or reports[k].cheaper for k in keys):
+        return [f"   implicit collectives (XLA, around kernels): none; cheaper equivalents ({backend} HLO): none"]
+    lines: list[str] = []
+    for k in keys:
+        r = reports[k]
+        lines.append(f"   implicit collectives (XLA, around opaque kernels), {LABELS[k]}:"
+                     + ("" if r.implicit else " none"))
+        if r.implicit:
+            lines += table(_audit_comm.implicit_rows(r), "     ", right=(3,))
+        lines.append(f"   cheaper equivalents (compiled {backend} HLO), {LABELS[k]}:" + ("" if r.cheaper else " none"))
+        if r.cheaper:
+            lines += table(_audit_comm.cheaper_rows(r), "     ", right=(2, 3))
+        for fix in _audit_comm.fixes(r):
+            lines += wrap(f"fix: {fix}", "     ")
+    return lines
 
 
 def legend(entries: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -187,6 +210,7 @@ def legend(entries: Sequence[Mapping[str, Any]]) -> list[str]:
                      "all-reduce of a gradient nothing uses), so it never runs; not counted in the totals")
     if any(c.folded for c in shown):
         items.append("levels JS.: folded away by XLA in compiled HLO; counted, as the program has it")
+    items += _audit_comm.legend_items(reports)
     if not reports:
         return []
     return ["", "legend:"] + [line for item in items for line in wrap(item, "  ")]

@@ -31,24 +31,29 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 import reprules
-from reprules import _audit_html, _audit_text, _environment, _mode_state, _registry, _workloads
+from reprules import _audit_comm, _audit_html, _audit_text, _environment, _link_model, _mode_state, _registry, _workloads
 from reprules import _audit_target as protocol
 from reprules._errors import UnsupportedJaxError
 
 DEFAULT_DEVICES = 8
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the ``--json`` document's layout; raised whenever a field changes meaning or goes away
 (new fields are added within a version: ``unmatched_kernel_names``, each kernel's ``covered_by`` and
 ``inference``, each collective's ``dead`` and ``added_by`` and each variant's ``dead_count`` were
 added in version 1; ``count``, ``bytes`` and the ``defensive_*`` figures leave dead collectives out).
 Version 2: ``inference`` is the inference mode the reprules side was traced in, ``"all"``,
-``"default"`` (kernels JAX would refuse) or ``"off"`` (version 1: a bool, ``--infer`` given)."""
+``"default"`` (kernels JAX would refuse) or ``"off"`` (version 1: a bool, ``--infer`` given).
+Version 3: each variant's ``implicit`` and ``cheaper`` findings (with ``implicit_count``,
+``implicit_bytes``, ``cheaper_count``, ``savable_bytes``), ``backend``, ``link`` and ``est_seconds``
+(also on each collective), and the document's ``communication_findings`` (what
+``--strict-communication`` fails on)."""
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
 EXIT_CODES = {
     EXIT_OK: "the audit ran (with --strict: and found nothing)",
     EXIT_FINDINGS: "--strict found a defensive collective, a kernel without a rule or a kernel_named "
-                   "rule that matched nothing; or a step failed to trace, compile or run; or an "
+                   "rule that matched nothing; --strict-communication found an implicit collective or one "
+                   "with a cheaper equivalent; or a step failed to trace, compile or run; or an "
                    "internal error",
     EXIT_USAGE: "usage error: bad arguments, a TARGET that cannot be loaded, or an --html FILE that "
                 "cannot be written",
@@ -123,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--strict", action="store_true",
                        help="exit 1 on defensive collectives, kernels without a rule, or kernel_named "
                             "rules that matched nothing")
+    _audit_comm.add_arguments(audit)
     audit.add_argument("--devices", type=int, default=DEFAULT_DEVICES,
                        help=f"fake CPU devices to provide (default {DEFAULT_DEVICES})")
     audit.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -141,10 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = _Progress(sys.stderr, enabled=not args.quiet)
     try:
         _check_html_path(args.html)
+        link = _link(args.link)
         _provide_devices(args.devices, default_run=args.target is None)
-        if args.target is None:
-            return _audit_default(args, progress)
-        return _audit_target(args, progress)
+        with _link_model.using(link):
+            if args.target is None:
+                return _audit_default(args, progress)
+            return _audit_target(args, progress)
     except _Failure as err:
         progress.end_line()
         print(f"reprules audit: error: {err}", file=sys.stderr)
@@ -161,6 +169,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               "Why: this is a bug in reprules, or an environment it does not expect.\n"
               "Fix: rerun with --traceback and report the output.", file=sys.stderr)
         return EXIT_FINDINGS
+
+
+def _link(text: str | None) -> _link_model.Link | None:
+    """The ``--link`` interconnect, or None for the backend's default."""
+    try:
+        return _audit_comm.link_arg(text)
+    except ValueError as err:
+        raise _Failure(f"--link: {err}.\nWhy: it names the interconnect of the time estimates.\n"
+                       "Fix: e.g. --link nvlink, or --link 100 for 100 GB/s per device.", EXIT_USAGE) from None
 
 
 def _check_html_path(path: str | None) -> None:
@@ -267,6 +284,7 @@ def _summary(v: dict[str, Any]) -> dict[str, Any]:
         "kernels_with_rules": sum(1 for k in report.kernels if k.has_rule),
         "kernels_total": len(report.kernels),
         "max_error": v["max_error"],
+        **_audit_comm.summary(report),  # implicit and cheaper collectives, time estimates (schema 3)
     }
 
 
@@ -327,6 +345,7 @@ def _document(support: dict[str, str], devices: int, target: str | None, mesh: d
 
 def _finish(args: argparse.Namespace, text: str, doc: dict[str, Any], failed: bool,
             findings: list[str], progress: _Progress) -> int:
+    doc["communication_findings"] = _audit_comm.findings(doc)
     if args.html is not None:
         try:
             with open(args.html, "w", encoding="utf-8") as page:
@@ -339,13 +358,20 @@ def _finish(args: argparse.Namespace, text: str, doc: dict[str, Any], failed: bo
     print(json.dumps(doc, indent=2) if args.json else text)
     if failed:
         return EXIT_FINDINGS
+    communication = args.strict_communication and doc["communication_findings"]
+    if communication:
+        found = doc["communication_findings"]
+        print(f"reprules audit --strict-communication: {len(found)} finding{'s' if len(found) > 1 else ''}:",
+              file=sys.stderr)
+        for f in found:
+            print(f"  {_audit_text.clip(f, _audit_text.WIDTH - 2)}", file=sys.stderr)
     if args.strict and findings:
         print(f"reprules audit --strict: {len(findings)} finding{'s' if len(findings) > 1 else ''}:",
               file=sys.stderr)
         for f in findings:
             print(f"  {_audit_text.clip(f, _audit_text.WIDTH - 2)}", file=sys.stderr)
         return EXIT_FINDINGS
-    return EXIT_OK
+    return EXIT_FINDINGS if communication else EXIT_OK
 
 
 def _header(support: dict[str, str], devices: int, what: str, infer: bool, mode: str) -> list[str]:

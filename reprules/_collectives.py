@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from reprules import _hlo
+import dataclasses
+
+from reprules import _cheaper, _hlo, _hlo_graph, _implicit, _link_model
 from reprules._levels import build_report
 from reprules._report import Report
 from reprules._walk import walk_jaxpr
@@ -44,7 +46,8 @@ def collectives(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: 
     lowered = jax.jit(call).lower(*args)
     shlo = _hlo.parse_stablehlo(_stablehlo_text(lowered))
     compiled = lowered.compile()
-    hlo = _hlo.parse_hlo(compiled.as_text() or "")  # typed Optional by JAX; always text on CPU
+    hlo_text = compiled.as_text() or ""  # typed Optional by JAX; always text on CPU
+    hlo = _hlo.parse_hlo(hlo_text)
     mesh_shape = None
     if mesh is not None:
         mesh_shape = dict(mesh.shape)
@@ -54,4 +57,22 @@ def collectives(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: 
             if m is not None and getattr(m, "shape", None):
                 mesh_shape = dict(m.shape)
                 break
-    return build_report(call.__name__, jax.__version__, walk, shlo, hlo, mesh_shape)
+    report = build_report(call.__name__, jax.__version__, walk, shlo, hlo, mesh_shape)
+    return _communication(report, closed, args, hlo_text)
+
+
+def _communication(report: Report, closed: Any, args: tuple[Any, ...], hlo_text: str) -> Report:
+    """The report with its implicit collectives, cheaper equivalents and link model."""
+    import jax
+
+    backend = jax.default_backend()
+    link = _link_model.current(backend)
+    graph = _hlo_graph.parse(hlo_text)
+    outside, arg_mesh = _implicit.outside_kernels(closed, args, _implicit.custom_call_names(graph))
+    mesh = dict(report.mesh) or arg_mesh
+    implicit = _implicit.find(graph, report.collectives, outside, mesh, backend, link)
+    data = walk_jaxpr(closed, data=True)
+    replicated = [jc.replicated_axes for jc in data.collectives]
+    cheaper = _cheaper.find(graph, report.collectives, replicated, mesh, backend, link)
+    return dataclasses.replace(report, implicit=implicit, cheaper=cheaper, backend=backend, link=link,
+                               mesh=report.mesh or tuple(arg_mesh.items()))

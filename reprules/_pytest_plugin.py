@@ -5,8 +5,9 @@
 * ``--reprules-infer``, or the ini setting ``reprules_infer = true``: the whole
   session runs under ``reprules.inference()`` (rules derived from kernel bodies).
 * ``@pytest.mark.reprules_devices(n)``: skip unless at least n devices exist.
-* fixtures ``no_all_reduce`` and ``collectives`` (each skips a test whose function runs
-  on a mesh of one device, saying how to get more).
+* fixtures ``no_all_reduce``, ``collectives``, ``no_implicit_collectives`` and
+  ``no_cheaper_collectives`` (each skips a test whose function runs on a mesh of
+  one device, saying how to get more).
 * a report-header line: reprules and JAX versions, device count.
 
 Loading this plugin imports neither JAX nor ``reprules.testing``: they are
@@ -228,3 +229,40 @@ def no_all_reduce() -> Callable[..., Any]:
         pytest.fail(message, pytrace=False)
 
     return check
+
+
+def _failing(check: Callable[..., Any], fixture: str) -> Callable[..., Any]:
+    """``check`` as a fixture's callable: a ``CollectivesAssertionError`` fails the test with its
+    message; a pass on a one-device mesh skips it (nothing could have been found)."""
+    from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+
+    def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        try:
+            report = check(fn, *args, **kwargs)
+        except testing.CollectivesAssertionError as err:
+            message = str(err)
+        else:
+            _skip_one_device_mesh(report, fixture)
+            return report
+        pytest.fail(message, pytrace=False)
+
+    return run
+
+
+@pytest.fixture
+def no_implicit_collectives() -> Callable[..., Any]:
+    """Call it as ``no_implicit_collectives(fn, *args, **kwargs)``; fails the test on any
+    collective XLA inserted around an opaque kernel (``testing.assert_no_implicit_collectives``)."""
+    from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+
+    return _failing(testing.assert_no_implicit_collectives, "no_implicit_collectives")
+
+
+@pytest.fixture
+def no_cheaper_collectives() -> Callable[..., Any]:
+    """Call it as ``no_cheaper_collectives(fn, *args, **kwargs)``; fails the test on any
+    collective with a cheaper equivalent (``testing.assert_no_cheaper_collectives``)."""
+    from reprules import testing  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+
+    return _failing(testing.assert_no_cheaper_collectives, "no_cheaper_collectives")

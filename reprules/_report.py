@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Iterable
 from typing import Any
 
-from reprules import _hlo
+from reprules import _hlo, _link_model
+from reprules._comm import CheaperCollective, ImplicitCollective, table_lines
 
 LEVELS = ("jaxpr", "stablehlo", "hlo")
 ADDED_TEXT = "added by reprules"
@@ -233,6 +235,13 @@ class Report:
       mesh: ``((axis name, size), ...)`` of the mesh used to name axes.
       collectives: One :class:`Collective` per collective.
       kernels: Opaque kernels found under ``shard_map``.
+      implicit: Collectives XLA's partitioner inserted around opaque kernels
+        called outside ``shard_map`` (:class:`ImplicitCollective`), found in
+        the compiled HLO or predicted from the jaxpr where the backend hides them.
+      cheaper: Collectives of the compiled program with a cheaper equivalent
+        (:class:`CheaperCollective`).
+      backend: The backend that compiled the program (``cpu``, ``gpu``, ``tpu``).
+      link: The link model's interconnect used for the time estimates.
     """
 
     function: str
@@ -240,6 +249,30 @@ class Report:
     mesh: tuple[tuple[str, int], ...]
     collectives: tuple[Collective, ...]
     kernels: tuple[Kernel, ...] = ()
+    implicit: tuple[ImplicitCollective, ...] = ()
+    cheaper: tuple[CheaperCollective, ...] = ()
+    backend: str = ""
+    link: _link_model.Link | None = None
+
+    def seconds(self, c: Collective | None = None) -> float:
+        """Estimated time per step (link model, :mod:`reprules._link_model`) of ``c``, or of every
+        live collective when ``c`` is None."""
+        link = self.link or _link_model.current(self.backend or "cpu")
+        if c is None:
+            return sum(self.seconds(x) for x in self.select())
+        sizes = dict(self.mesh)
+        n = math.prod(sizes.get(a, 1) for a in c.axes) if c.axes else max(math.prod(sizes.values()) if sizes else 2, 2)
+        return _link_model.seconds(c.kind, c.bytes, n, link) * c.executions
+
+    @property
+    def savable_bytes(self) -> int:
+        """Per-device bytes per step that the cheaper equivalents would save."""
+        return sum(c.saved_bytes for c in self.cheaper)
+
+    @property
+    def implicit_bytes(self) -> int:
+        """Per-device bytes per step of the implicit collectives."""
+        return sum(c.step_bytes for c in self.implicit)
 
     def select(self, kind: str | None = None, *, axes: str | Iterable[str] | None = None,
                level: str | None = None, defensive: bool | None = None,
@@ -307,6 +340,7 @@ class Report:
             lines.append(f"  ({ADDED_TEXT}: {ADDED_MEANING})")
         for k in self.kernels:
             lines.append(f"  kernel {k.name} ({k.primitive} x{k.count}): {k.status()}; {_short(k.source)}")
+        lines += table_lines(self.implicit, self.cheaper, self.backend or "?")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -317,8 +351,12 @@ class Report:
             "function": self.function,
             "jax_version": self.jax_version,
             "mesh": dict(self.mesh),
-            "collectives": [c.to_dict() for c in self.collectives],
+            "collectives": [{**c.to_dict(), "est_seconds": self.seconds(c)} for c in self.collectives],
             "kernels": [k.to_dict() for k in self.kernels],
+            "backend": self.backend,
+            "link": self.link.to_dict() if self.link is not None else None,
+            "implicit": [c.to_dict() for c in self.implicit],
+            "cheaper": [c.to_dict() for c in self.cheaper],
             "summary": {
                 "count": len(self.select()),
                 "bytes": self.bytes(),
@@ -327,6 +365,11 @@ class Report:
                 "defensive_bytes": sum(c.step_bytes for c in self.defensive),
                 "by_kind": {k: {"count": self.count(k), "bytes": self.bytes(k)}
                             for k in _hlo.KINDS if self.count(k)},
+                "implicit_count": len(self.implicit),
+                "implicit_bytes": self.implicit_bytes,
+                "cheaper_count": len(self.cheaper),
+                "savable_bytes": self.savable_bytes,
+                "est_seconds": self.seconds(),
             },
         }
 

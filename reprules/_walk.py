@@ -55,6 +55,8 @@ _ADDS_AXES = ("pvary", "pbroadcast", "pcast", "ppermute", "all_to_all", "ragged_
               "reduce_scatter", "psum_scatter", "pshuffle")
 _OPAQUE = ("pallas_call", "ffi_call", "custom_call", "triton_kernel_call", "tpu_custom_call",
            "core_map", "mpmd_map")  # the last two: pl.kernel (0.8 - 0.9, 0.10+) and pl.core_map
+OPAQUE = _OPAQUE
+_CASTS = ("pvary", "pbroadcast", "pcast")  # type casts: the data stays what it was
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,6 +88,10 @@ class Walk:
     kernels: list[tuple[Kernel, int]] = dataclasses.field(default_factory=list)
     mesh: dict[str, int] = dataclasses.field(default_factory=dict)
     shard_maps: int = 0
+    # The *data* analysis (:func:`walk_jaxpr` with ``data=True``): which axes a value's data
+    # really varies over. A cast (pvary, pbroadcast, pcast) changes a type, not the data, and
+    # an opaque kernel may read its device index: its outputs vary over every manual axis.
+    data: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,6 +194,16 @@ def _render_name_stack(ns: Any) -> str:
     return "/".join(parts)
 
 
+def user_source(source_info: Any) -> str:
+    """``file:line`` of the first frame outside JAX, jaxlib and reprules, or ``""``."""
+    return _user_source(source_info)
+
+
+def kernel_info(eqn: Any) -> tuple[str, str, Any]:
+    """(name, source, shim Identity) of an opaque kernel equation."""
+    return _kernel_info(eqn)
+
+
 def _user_source(source_info: Any) -> str:
     tb = getattr(source_info, "traceback", None)
     frames = getattr(tb, "frames", None) if tb is not None else None
@@ -253,9 +269,14 @@ def _kernel_info(eqn: Any) -> tuple[str, str, Any]:
     return name, source, found
 
 
-def walk_jaxpr(closed_jaxpr: Any) -> Walk:
-    """Finds every collective and opaque kernel in a (closed) jaxpr, recursively."""
-    state = Walk()
+def walk_jaxpr(closed_jaxpr: Any, data: bool = False) -> Walk:
+    """Finds every collective and opaque kernel in a (closed) jaxpr, recursively.
+
+    With ``data=True``, each collective's ``replicated_axes`` are the summed axes
+    its operand's data is identical over, whatever its type says (see :attr:`Walk.data`);
+    the collectives come in the same order as without.
+    """
+    state = Walk(data=data)
     jaxpr = _as_jaxpr(closed_jaxpr)
     if jaxpr is None:
         raise TypeError(f"walk_jaxpr needs a jaxpr or closed jaxpr, got {type(closed_jaxpr).__name__}")
@@ -295,12 +316,15 @@ def _walk(jaxpr: Any, in_varying: Sequence[frozenset[str]], ctx: _Ctx, state: Wa
             else:
                 outs = [union | frozenset(axes)] * len(eqn.outvars)
         elif name in _ADDS_AXES:
-            outs = [union | frozenset(_axes_param(eqn.params))] * len(eqn.outvars)
+            if state.data and name in _CASTS and len(ins) == len(eqn.outvars):
+                outs = list(ins)
+            else:
+                outs = [union | frozenset(_axes_param(eqn.params))] * len(eqn.outvars)
         elif name == "axis_index":
             outs = [frozenset(_axes_param(eqn.params))]
         elif name in _OPAQUE:
             _record_kernel(eqn, ctx, state)
-            outs = [union] * len(eqn.outvars)
+            outs = [union | ctx.manual if state.data else union] * len(eqn.outvars)
         else:
             subs = _sub_jaxprs(eqn.params)
             if subs:
@@ -330,7 +354,7 @@ def _walk_subs(eqn: Any, name: str, subs: list[tuple[str, Any]], ins: list[froze
         cconsts, bconsts, carry = ins[:cn], ins[cn:cn + bn], list(ins[cn + bn:])
         body = dict(subs).get("body_jaxpr")
         for _ in range(3):  # fixpoint over the carry (axis sets only grow)
-            got = _walk(body, list(bconsts) + carry, ctx, Walk()) if body is not None else carry
+            got = _walk(body, list(bconsts) + carry, ctx, Walk(data=state.data)) if body is not None else carry
             new = [a | b for a, b in zip(carry, _fit(got, len(carry), union))]
             if new == carry:
                 break
@@ -346,7 +370,7 @@ def _walk_subs(eqn: Any, name: str, subs: list[tuple[str, Any]], ins: list[froze
         body = subs[0][1]
         got = []
         for _ in range(3):
-            got = _walk(body, list(consts) + carry + list(xs), ctx, Walk())
+            got = _walk(body, list(consts) + carry + list(xs), ctx, Walk(data=state.data))
             new = [a | b for a, b in zip(carry, got[:ncarry])]
             if new == carry:
                 break

@@ -6,6 +6,12 @@ collective at three levels: the jaxpr (``shard_map``, ``custom_vjp``, ``scan``,
 HLO. Checking all three matters: from JAX 0.10.2, XLA:CPU folds an all-reduce
 of a constant cotangent away, while the jaxpr and StableHLO still have it.
 
+It also finds the communication nobody wrote: collectives XLA's partitioner
+inserted around opaque kernels called outside ``shard_map`` (``report.implicit``,
+``assert_no_implicit_collectives``) and collectives with a cheaper equivalent
+still in the compiled program (``report.cheaper``, ``assert_no_cheaper_collectives``),
+with a link model's time estimates (``report.seconds()``).
+
 Two helpers set up what such tests and scripts need on every supported JAX:
 ``fake_cpu_devices(n)`` (before JAX starts) and ``shard_map(..., check=True)``.
 ``cpu_kernels`` holds opaque C++ FFI kernels for CPU (``copy``, ``mul``,
@@ -33,6 +39,8 @@ from typing import Any, Union
 from reprules import _cpu_kernels as cpu_kernels
 from reprules import _environment
 from reprules._errors import ReprulesError
+from reprules._comm import CheaperCollective as CheaperCollective
+from reprules._comm import ImplicitCollective as ImplicitCollective
 from reprules._hlo import KINDS as KINDS
 from reprules._report import LEVELS as LEVELS
 from reprules._report import Collective as Collective
@@ -42,12 +50,16 @@ from reprules._report import Report as Report
 __all__ = [
     "KINDS",
     "LEVELS",
+    "CheaperCollective",
     "Collective",
     "CollectivesAssertionError",
+    "ImplicitCollective",
     "Kernel",
     "Report",
     "assert_collectives",
     "assert_no_all_reduce",
+    "assert_no_cheaper_collectives",
+    "assert_no_implicit_collectives",
     "collectives",
     "cpu_kernels",
     "fake_cpu_devices",
@@ -193,6 +205,91 @@ def assert_collectives(fn: Callable[..., Any], *args: Any, expect: Mapping[Expec
             f"(JAX {report.jax_version}, counted at {level or 'any level'}):\n"
             + "\n".join(lines) + "\n" + _why_and_fix(shown, report) + "\nFull report:\n" + report.table(),
             report)
+    return report
+
+
+def assert_no_implicit_collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
+    """Fails if XLA's partitioner inserted collectives around an opaque kernel of ``fn``.
+
+    An opaque kernel (``pallas_call``, ``pl.kernel``, ``ffi_call``, ``triton_call``,
+    a user primitive) called outside ``shard_map`` on sharded operands is a
+    custom call XLA cannot look into: the partitioner gathers its operands to
+    every device and runs the whole kernel everywhere. Found in the compiled
+    HLO; where the backend at hand hides it (Pallas interpret mode on CPU lowers
+    to ordinary HLO), predicted from the jaxpr for a TPU/GPU compile.
+
+    Args:
+      fn: The function to check (traced, lowered and compiled, not run).
+      *args: Example arguments, with their shardings (a sharded ``jax.Array``
+        or a ``jax.ShapeDtypeStruct`` with ``sharding=``).
+      **kwargs: Passed to ``fn``.
+
+    Returns:
+      The :class:`Report`, when the check passes.
+
+    Raises:
+      CollectivesAssertionError: listing each implicit collective (kind, bytes,
+        the kernel, the user's call line) and the fix.
+
+    Example:
+        ```python
+        x = jax.device_put(x, NamedSharding(mesh, P("data")))
+        testing.assert_no_implicit_collectives(lambda x: cpu_kernels.copy(x) * 2, x)  # fails
+        ```
+    """
+    report = collectives(fn, *args, **kwargs)
+    if report.implicit:
+        n = len(report.implicit)
+        lines = [f"{n} implicit collective{'s' if n > 1 else ''} around opaque kernels in {report.function} "
+                 f"({report.implicit_bytes} B per device per step; backend {report.backend}, JAX "
+                 f"{report.jax_version}):"]
+        for c in report.implicit:
+            lines.append(f"  - {c.describe()}")
+            if c.line:
+                lines.append(f"      hlo: {c.line[:220]}")
+        lines.append("Why: outside shard_map, XLA's SPMD partitioner cannot look into a custom call, so it "
+                     "gathers the kernel's sharded operands to every device and runs the whole kernel on "
+                     "each (the program never wrote these collectives).")
+        lines.append("Fix:")
+        lines += [f"  - {c.fix()}" for c in report.implicit]
+        raise CollectivesAssertionError("\n".join(lines) + "\n", report)
+    return report
+
+
+def assert_no_cheaper_collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
+    """Fails if a collective of ``fn``'s compiled program has a cheaper equivalent.
+
+    An all-reduce whose result each device only slices its own part of (a
+    reduce-scatter sends half the bytes), an all-gather of which each device
+    keeps only its own shard (no collective needed), or a psum of a value
+    already replicated over the axes (a multiplication). Only what survives
+    compilation on the backend at hand counts: what XLA rewrites itself is
+    not reported.
+
+    Args:
+      fn: The function to check (traced, lowered and compiled, not run).
+      *args: Example arguments.
+      **kwargs: Passed to ``fn``.
+
+    Returns:
+      The :class:`Report`, when the check passes.
+
+    Raises:
+      CollectivesAssertionError: listing each collective with its bytes now and
+        after, the user's source line and the rewrite.
+    """
+    report = collectives(fn, *args, **kwargs)
+    if report.cheaper:
+        n = len(report.cheaper)
+        lines = [f"{n} collective{'s' if n > 1 else ''} with a cheaper equivalent in {report.function} "
+                 f"({report.savable_bytes} B per device per step could be saved; compiled for "
+                 f"{report.backend}, JAX {report.jax_version}):"]
+        for c in report.cheaper:
+            lines.append(f"  - {c.describe()}")
+            lines.append(f"      rewrite: {c.rewrite}")
+        lines.append("Why: each is still in the compiled program, and the same result needs less "
+                     "communication.")
+        raise CollectivesAssertionError("\n".join(lines) + "\n", report)
     return report
 
 

@@ -173,7 +173,7 @@ def test_default_audit_json(capsys):
     out, err = capsys.readouterr()
     assert err == ""
     doc = json.loads(out)
-    assert doc["schema_version"] == _cli.SCHEMA_VERSION == 2
+    assert doc["schema_version"] == _cli.SCHEMA_VERSION == 3
     assert doc["target"] is None and doc["jax"] == jax.__version__ and doc["reprules"] == reprules.__version__
     assert doc["inference"] == "default" and doc["unmatched_kernel_names"] == []
     assert doc["devices"] == 8 and doc["mesh"] == {"data": 4, "model": 2}
@@ -217,7 +217,7 @@ def test_user_target_off_vs_on(target, capsys):
 def test_user_target_off_vs_on_json(target, capsys):
     assert _cli.main(["audit", f"{target}:compared", "--json", "--quiet"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["schema_version"] == 2 and doc["target"] == f"{target}:compared"
+    assert doc["schema_version"] == 3 and doc["target"] == f"{target}:compared"
     (w,) = doc["workloads"]
     assert w["name"] == "copy_step" and w["error"] is None and "given" not in w
     assert (w["off"]["count"], w["off"]["defensive_count"], w["off"]["defensive_bytes"]) == (1, 1, 1024)
