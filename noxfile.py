@@ -2,6 +2,7 @@
 
     python -m pip install --quiet nox uv && python -m nox            # tests, whole JAX matrix, and typecheck
     python -m nox -s "tests(jax='0.12.0.1')"                          # tests, one JAX version
+    python -m nox -s tests_upgrade_flags                              # tests, newest JAX with its announced defaults
     python -m nox -s tests_python                                     # tests, the other Pythons
     python -m nox -s typecheck                                        # mypy --strict, newest JAX
     python -m nox -s docs                                             # the documentation site, warnings as errors
@@ -18,7 +19,7 @@ import nox
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests", "tests_python", "typecheck", "docs"]
+nox.options.sessions = ["tests", "tests_upgrade_flags", "tests_python", "typecheck", "docs"]
 
 # Every minor release in the supported range (its newest patch), plus the oldest
 # supported one; regimes: rep (<=0.5), vma (0.6-0.9), mat (>=0.10).
@@ -57,7 +58,8 @@ def _install(session: nox.Session, *args: str) -> None:
     session.install(*args, env={"UV_COMPILE_BYTECODE": "1"})
 
 
-def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Sequence[str] = ()) -> None:
+def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Sequence[str] = (),
+               env: dict[str, str] | None = None) -> None:
     # jax-triton (optional) needs JAX >= 0.11 and imports on CPU from there; tokamax's
     # kernels are tested under inference on the newest JAX only (it pulls ~70 packages).
     extras = "test,triton" if tuple(map(int, jax.split(".")[:2])) >= (0, 11) else "test"
@@ -81,7 +83,8 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
     # One pytest-xdist worker per core (the tests are single-threaded Python, mostly tracing);
     # reprules' own modules and the tests may cache their bytecode too.
     session.run("python", "-m", "pytest", "-n", "auto", *(session.posargs or files),
-                env={"PYTHONDONTWRITEBYTECODE": None, "REPRULES_FUZZ_SEED": seed, "REPRULES_FUZZ_COUNT": count})
+                env={"PYTHONDONTWRITEBYTECODE": None, "REPRULES_FUZZ_SEED": seed, "REPRULES_FUZZ_COUNT": count,
+                     **(env or {})})
 
 
 @nox.session(python="3.12")
@@ -89,6 +92,30 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
 def tests(session: nox.Session, jax: str) -> None:
     """Runs the test suite against one JAX version."""
     _run_tests(session, jax, tokamax=True)
+
+
+# JAX's announced defaults: the flags JAX 0.12 marks `upgrade=True` (the incoming behaviour,
+# off by default for now) and `jax_auto_pcast`, whose default its code marks to become False (no
+# automatic pvary where a replicated value meets a varying one). Set through their environment
+# variables, which JAX reads when it defines each flag, so every process the suite starts (the
+# pytest-xdist workers, the examples, the CLI's) runs under them.
+UPGRADE_FLAGS = {"JAX_REMAT3": "1", "JAX_CUSTOM_VJP3": "1", "JAX_CUSTOM_JVP3": "1", "JAX_AUTO_PCAST": "0"}
+
+
+@nox.session(python="3.12")
+def tests_upgrade_flags(session: nox.Session) -> None:
+    """Runs the test suite (the examples included) against the newest JAX with its announced defaults.
+
+    Checks first that each flag takes effect (a renamed or removed flag would make its environment
+    variable a silent no-op), printing their values.
+    """
+    jax = JAX_MATRIX[-1]
+    check = ("import jax; want = {'jax_remat3': True, 'jax_custom_vjp3': True, 'jax_custom_jvp3': True, "
+             "'jax_auto_pcast': False}; got = {k: getattr(jax.config, k) for k in want}; "
+             "print('JAX', jax.__version__, got); assert got == want, got")
+    _install(session, f"jax=={jax}", f"jaxlib=={jax}")
+    session.run("python", "-c", check, env=UPGRADE_FLAGS)
+    _run_tests(session, jax, tokamax=True, env=UPGRADE_FLAGS)
 
 
 @nox.session
