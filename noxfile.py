@@ -1,7 +1,8 @@
 """Test matrix and main job, each in its own virtual environment.
 
-    python -m pip install --quiet nox uv && python -m nox            # the default: tests (whole JAX matrix), tests_python, typecheck, docs
+    python -m pip install --quiet nox uv && python -m nox            # the default: tests (whole JAX matrix), tests_upgrade_flags, tests_python, typecheck, docs
     python -m nox -s "tests(jax='0.12.0.1')"                          # tests, one JAX version
+    python -m nox -s tests_upgrade_flags                              # tests, newest JAX with its announced defaults
     python -m nox -s tests_python                                     # tests, the other Pythons
     python -m nox -s typecheck                                        # mypy --strict, newest JAX
     python -m nox -s docs                                             # the documentation site, warnings as errors
@@ -18,7 +19,7 @@ import nox
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests", "tests_python", "typecheck", "docs"]
+nox.options.sessions = ["tests", "tests_upgrade_flags", "tests_python", "typecheck", "docs"]
 
 # Every minor release in the supported range (its newest patch), plus the oldest
 # supported one; regimes: rep (<=0.5), vma (0.6-0.9), mat (>=0.10).
@@ -62,7 +63,8 @@ def _install(session: nox.Session, *args: str) -> None:
     session.install(*args, env={"UV_COMPILE_BYTECODE": "1"})
 
 
-def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Sequence[str] = ()) -> None:
+def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Sequence[str] = (),
+               env: dict[str, str] | None = None) -> None:
     # jax-triton (optional) needs JAX >= 0.11 and imports on CPU from there; tokamax's
     # kernels are tested under inference on the newest JAX only (it pulls ~70 packages).
     extras = "test,triton" if tuple(map(int, jax.split(".")[:2])) >= (0, 11) else "test"
@@ -95,7 +97,7 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
     # reprules' own modules and the tests may cache their bytecode too.
     session.run("python", "-m", "pytest", "-n", "auto", *(session.posargs or files),
                 env={"PYTHONDONTWRITEBYTECODE": None, "REPRULES_FUZZ_SEED": seed, "REPRULES_FUZZ_COUNT": count,
-                     "REPRULES_PROGRAM_FUZZ_COUNT": programs})
+                     "REPRULES_PROGRAM_FUZZ_COUNT": programs, **(env or {})})
 
 
 @nox.session(python="3.12")
@@ -103,6 +105,40 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
 def tests(session: nox.Session, jax: str) -> None:
     """Runs the test suite against one JAX version."""
     _run_tests(session, jax, tokamax=True)
+
+
+# JAX's announced defaults: the flags JAX 0.12 marks `upgrade=True` (the incoming behaviour,
+# off by default for now) and `jax_auto_pcast`, whose default its code marks to become False (no
+# automatic pvary where a replicated value meets a varying one). Set through their environment
+# variables, which JAX reads when it defines each flag, so every process the suite starts (the
+# pytest-xdist workers, the examples, the CLI's) runs under them.
+UPGRADE_FLAGS = {"JAX_REMAT3": "1", "JAX_CUSTOM_VJP3": "1", "JAX_CUSTOM_JVP3": "1"}
+NO_AUTO_PCAST = {"JAX_AUTO_PCAST": "0"}
+
+
+@nox.session(python="3.12")
+def tests_upgrade_flags(session: nox.Session) -> None:
+    """Runs the test suite against the newest JAX with its announced defaults on.
+
+    The whole suite with ``jax_remat3``, ``jax_custom_vjp3`` and ``jax_custom_jvp3`` on; the
+    examples (``tests/test_examples.py``) with ``jax_auto_pcast`` off too. Not the whole suite
+    with it off: on JAX 0.12.0.1 JAX itself refuses, inside ``shard_map``, a float constant next
+    to a varying value (``2.0 * x``, ``jnp.mean``, the gradients of ``x ** 2`` and
+    ``jax.nn.relu``), which the tests, like users, write everywhere. Checks first that each flag
+    takes effect (a renamed or removed flag would make its environment variable a silent no-op).
+    """
+    jax = JAX_MATRIX[-1]
+    flags = {**UPGRADE_FLAGS, **NO_AUTO_PCAST}
+    check = ("import jax; want = {'jax_remat3': True, 'jax_custom_vjp3': True, 'jax_custom_jvp3': True, "
+             "'jax_auto_pcast': False}; got = {k: getattr(jax.config, k) for k in want}; "
+             "print('JAX', jax.__version__, got); assert got == want, got")
+    _install(session, f"jax=={jax}", f"jaxlib=={jax}")
+    session.run("python", "-c", check, env=flags)
+    _run_tests(session, jax, tokamax=True, env=UPGRADE_FLAGS)
+    # (the benchmark's workloads use jax.nn.relu and gelu inside shard_map: refused by JAX there)
+    session.run("python", "-m", "pytest", "-n", "auto", "tests/test_examples.py",
+                "--deselect", "tests/test_examples.py::test_benchmark_smoke",
+                env={"PYTHONDONTWRITEBYTECODE": None, **flags})
 
 
 @nox.session

@@ -114,16 +114,39 @@ class MLP(eqx.Module):
 
     def __call__(self, x):
         for layer in self.layers[:-1]:
-            x = jax.nn.relu(layer(x))
+            x = relu(layer(x))
         return self.layers[-1](x)
+
+
+def relu(x):
+    """``jax.nn.relu``, written so that its gradient also type-checks with ``jax_auto_pcast``
+    off (JAX 0.12: ``jax.nn.relu``'s JVP selects between a varying tangent and replicated
+    zeros, which JAX then refuses)."""
+    return x * (x > 0)
+
+
+def varying(tree, axis):
+    """The arrays of ``tree``, replicated over ``axis``, cast to vary over it: an explicit cast
+    where replicated values meet varying ones, as JAX asks with ``jax_auto_pcast`` off."""
+    if hasattr(jax.lax, "pcast"):  # JAX 0.8+
+        return jax.tree_util.tree_map(lambda x: jax.lax.pcast(x, axis, to="varying"), tree)
+    if hasattr(jax.lax, "pvary"):  # JAX 0.6 - 0.7
+        return jax.tree_util.tree_map(lambda x: jax.lax.pvary(x, axis), tree)
+    return tree  # JAX <= 0.5 (check_rep): no cast needed, none to write
 
 
 def make_loss(mesh, static, check):
     """The loss of the whole batch: each device's shard under shard_map, then pmean."""
 
     def local_loss(params, x, y):
-        model = eqx.combine(params, static)
-        return jax.lax.pmean(jnp.mean((model(x) - y) ** 2), "data")
+        # the replicated parameters meet the batch's rows, which vary over `data`: cast them
+        # (with checking on; off, JAX tracks nothing to cast). The loss: each device's sum of
+        # squared errors, summed, over the batch's size (no float constant next to a varying
+        # value, which JAX 0.12 refuses with jax_auto_pcast off, as in jnp.mean and in the
+        # gradient of ** 2)
+        model = eqx.combine(varying(params, "data") if check else params, static)
+        d = model(x) - y
+        return jax.lax.psum(jnp.sum(d * d), "data") / (y.size * mesh.shape["data"])
 
     sharded = testing.shard_map(local_loss, mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check=check)
 

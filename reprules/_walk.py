@@ -131,6 +131,14 @@ def _sub_jaxprs(params: Mapping[str, Any]) -> list[tuple[str, Any]]:
             j = _as_jaxpr(item)
             if j is not None:
                 out.append((key, j))
+    hi = params.get("_prim")  # 0.10+ call_hi_primitive: the jaxprs are the hijax primitive's own
+    hi_params = getattr(hi, "params", None)  # params (jax_remat3's RematTraced: `jaxpr`, the body it
+    if isinstance(hi_params, dict):  # recomputes in the backward pass; jax_custom_vjp3: `traced`)
+        for key, value in hi_params.items():
+            j = _as_jaxpr(value)
+            j = j if j is not None else _as_jaxpr(getattr(value, "jaxpr", None))
+            if j is not None:
+                out.append((key, j))
     return out
 
 

@@ -82,7 +82,9 @@ def _eqns(jaxpr):
     """Every equation of ``jaxpr`` and of its sub-jaxprs (shard_map, custom_vjp, ...)."""
     for eqn in jaxpr.eqns:
         yield eqn
-        for value in eqn.params.values():
+        hi = getattr(eqn.params.get("_prim"), "params", None)  # 0.10+ call_hi_primitive (jax_custom_vjp3,
+        hi = hi if isinstance(hi, dict) else {}  # jax_remat3): the jaxprs are the hijax primitive's params
+        for value in [*eqn.params.values(), *hi.values()]:
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
                 if hasattr(sub, "eqns"):

@@ -141,7 +141,11 @@ def check_02(out):
         defensive, grad_err, param_err = tokens[-3:]
         assert defensive == "0", (way, out)
         assert float(grad_err) < 1e-4 and float(param_err) < 1e-4, (way, out)
-    assert "9 all-gather" in " ".join(r["FSDP"]), out  # 3 layers x (W, b) forward + W again backward
+    # 3 layers x (W, b) forward + W again backward; under jax_remat3 the backward pass recomputes
+    # the forward pass of the layers before the last, b's gathers with it (these tests' process
+    # and the example's share the environment, so the flag)
+    gathers = 11 if getattr(jax.config, "jax_remat3", False) else 9
+    assert f"{gathers} all-gather" in " ".join(r["FSDP"]), out
     assert "reduce-scatter" in " ".join(r["tensor parallel"]), out
     assert "OK:" in out
 
