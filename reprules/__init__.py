@@ -18,6 +18,8 @@ Example:
 
 from __future__ import annotations
 
+import sys
+
 import functools
 import importlib.metadata
 from typing import TYPE_CHECKING
@@ -360,7 +362,7 @@ def jax_support() -> dict[str, str]:
     }
 
 
-from reprules import _modes  # noqa: E402
+from reprules import _mode_state, _modes  # noqa: E402
 
 _packs.discover()  # cheap: reads entry-point names, loads nothing until needed
 
@@ -384,6 +386,10 @@ def _arm(pallas_call_module: object) -> None:
 def _arm_sound_types(jax_module: object) -> None:
     """Types rule-less opaque calls and control flow on a varying predicate soundly
     (JAX 0.6+), from the moment JAX is imported. Never breaks the import."""
+    shim = sys.modules.get("reprules._shim")
+    if shim is not None and not hasattr(shim, "arm_sound_types"):
+        _mode_state.sound_types_pending = True  # the shim imported JAX: it arms at its own end
+        return
     from reprules import _shim  # lazy: imports JAX (imported already)
 
     try:

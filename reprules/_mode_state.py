@@ -14,6 +14,7 @@ DORMANT_ENV = "REPRULES_DORMANT"  # patch nothing until a rule is registered
 SOUND_TYPES_ENV = "REPRULES_SOUND_TYPES"  # 0: keep JAX's types where they are provably too small
 
 lock = threading.Lock()
+sound_types_pending = False  # JAX was imported by the shim's own import: it arms sound types at its end
 _depth = {"verify": 0, "strict": 0, "infer": 0, "no_infer": 0}
 
 

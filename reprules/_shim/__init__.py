@@ -193,6 +193,7 @@ def arm_sound_types() -> None:
         if _sound_patches is None and hasattr(module, "install_sound_types"):
             patches = Patches()
             try:
+                _source.exclude_shim_frames(patches)  # sources name the user's code, not the hooks
                 module.install_sound_types(patches)
             except BaseException:
                 patches.undo_all()
@@ -262,3 +263,8 @@ def clear_jax_caches() -> None:
         except RuntimeError as err:
             if "changed size during iteration" not in str(err) or attempt == 7:
                 raise
+
+
+if _mode_state.sound_types_pending:  # JAX was first imported by this module's own imports
+    _mode_state.sound_types_pending = False
+    arm_sound_types()
