@@ -64,7 +64,7 @@ def _install(session: nox.Session, *args: str) -> None:
 
 
 def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Sequence[str] = (),
-               env: dict[str, str] | None = None) -> None:
+               env: dict[str, str] | None = None, deselect: Sequence[str] = ()) -> None:
     # jax-triton (optional) needs JAX >= 0.11 and imports on CPU from there; tokamax's
     # kernels are tested under inference on the newest JAX only (it pulls ~70 packages).
     extras = "test,triton" if tuple(map(int, jax.split(".")[:2])) >= (0, 11) else "test"
@@ -96,6 +96,7 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
     # One pytest-xdist worker per core (the tests are single-threaded Python, mostly tracing);
     # reprules' own modules and the tests may cache their bytecode too.
     session.run("python", "-m", "pytest", "-n", "auto", *(session.posargs or files),
+                *(arg for test in deselect for arg in ("--deselect", test)),
                 env={"PYTHONDONTWRITEBYTECODE": None, "REPRULES_FUZZ_SEED": seed, "REPRULES_FUZZ_COUNT": count,
                      "REPRULES_PROGRAM_FUZZ_COUNT": programs, **(env or {})})
 
@@ -134,7 +135,11 @@ def tests_upgrade_flags(session: nox.Session) -> None:
              "print('JAX', jax.__version__, got); assert got == want, got")
     _install(session, f"jax=={jax}", f"jaxlib=={jax}")
     session.run("python", "-c", check, env=flags)
-    _run_tests(session, jax, tokamax=True, env=UPGRADE_FLAGS)
+    # Known open under jax_custom_vjp3 (JAX refuses, never silently wrong): MaxText's megablox bwd
+    # returns the weight gradient varying over 'data' where the custom_vjp cotangent fix would
+    # psum it, but vjp3 checks the bwd's output types before that fix runs.
+    _run_tests(session, jax, tokamax=True, env=UPGRADE_FLAGS, deselect=[
+        f"tests/test_maxtext.py::test_moe_gmm_forward_and_gradients[{route}-tokamax]" for route in ("ep", "fsdp")])
     # (the benchmark's workloads use jax.nn.relu and gelu inside shard_map: refused by JAX there)
     session.run("python", "-m", "pytest", "-n", "auto", "tests/test_examples.py",
                 "--deselect", "tests/test_examples.py::test_benchmark_smoke",
