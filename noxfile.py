@@ -136,8 +136,8 @@ def tests_upgrade_flags(session: nox.Session) -> None:
     _install(session, f"jax=={jax}", f"jaxlib=={jax}")
     session.run("python", "-c", check, env=flags)
     # Known open under jax_custom_vjp3 (JAX refuses, never silently wrong): MaxText's megablox bwd
-    # returns the weight gradient varying over 'data' where the custom_vjp cotangent fix would
-    # psum it, but vjp3 checks the bwd's output types before that fix runs.
+    # returns the weight gradient typed varying over 'data' for a weight replicated there, and
+    # reprules' custom_vjp cotangent fix (which psums it with vjp3 off) does not reach it.
     _run_tests(session, jax, tokamax=True, env=UPGRADE_FLAGS, deselect=[
         f"tests/test_maxtext.py::test_moe_gmm_forward_and_gradients[{route}-tokamax]" for route in ("ep", "fsdp")])
     # (the benchmark's workloads use jax.nn.relu and gelu inside shard_map: refused by JAX there)
