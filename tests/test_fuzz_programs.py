@@ -36,12 +36,14 @@ CHUNK = 10
 # bugs known and still open: a chunk whose every counterexample falls in these is an xfail that
 # names them, any other counterexample fails. Remove a class once its bug is fixed; the
 # minimized cases are strict xfails in tests/test_program_counterexamples.py.
-# Fixed on JAX 0.6+ by reprules' sound types (opaque calls, cond/switch/while on a varying
-# predicate). On 0.4.38 - 0.5.x JAX's own check_rep rewrite of cond (a pbroadcast inside each
-# branch) still puts a collective inside a branch in the backward pass: known, not fixed there.
-KNOWN_OPEN = {} if JAX_VERSION >= (0, 6) else {
-    "cond": "cond / switch on a varying predicate on JAX 0.4.38 - 0.5 (jax#40823: a collective "
-            "inside the branch in the backward pass, from JAX's check_rep rewrite)",
+# None is open on 0.6+: rule-less opaque calls and cond/switch/while on a varying predicate are
+# typed soundly there. On 0.4.38 - 0.5.x reprules' cond rewrite keeps a varying predicate's casts
+# outside the branches, but a nested cond whose branches JAX's check_rep rewrite casts inside
+# (seed 7, program 38: an inner cond under a switch, with an FFI call) still gets a collective
+# inside the branch in the backward pass: reported (never run), open.
+KNOWN_OPEN: dict[str, str] = {} if fuzz_programs.JAX_VERSION >= (0, 6) else {
+    "cond": "a collective inside a cond branch on a varying predicate, JAX 0.4.38 - 0.5 (nested conds)",
+    "opaque": "(with cond) an FFI call or primitive in such a branch, JAX 0.4.38 - 0.5",
 }
 
 

@@ -26,9 +26,6 @@ VMA = JAX_VERSION >= (0, 6)  # JAX types varying axes itself (vma / mat regimes)
 # Where each bug shows, measured on the matrix (0.4.28 refuses these programs: check_rep has no
 # rule for them).
 AFTER_0_4_28 = JAX_VERSION > (0, 4, 28)
-# Fixed by reprules' sound types on 0.6+; JAX 0.4.38 - 0.5.x's own check_rep rewrite of cond
-# (a pbroadcast inside each branch) remains: reprules does not retype cond there.
-REP_AFTER_0_4_28 = AFTER_0_4_28 and not VMA
 FFI_TYPED = JAX_VERSION >= (0, 8)  # ffi_call's output typed replicated (0.6 - 0.7 type it right)
 
 BUG_OPAQUE = ("a rule-less user primitive / ffi_call / pure_callback whose output varies is typed "
@@ -114,7 +111,6 @@ def test_gradient_through_a_rule_less_opaque_op_is_the_sum_over_devices(mesh, op
 # -- (b) cond / switch on a varying predicate --------------------------------------------------
 
 
-@pytest.mark.xfail(REP_AFTER_0_4_28, reason=BUG_40823, strict=True)
 def test_cond_on_axis_index_gradient_is_the_sum_of_both_branches(mesh):
     """jax#40823: psum(cond(axis_index("model") == 0, 2x, 3x), "model") = 5x, so d/dx = 5."""
     body = lambda x: jax.lax.psum(  # noqa: E731
@@ -142,7 +138,6 @@ def test_cond_on_a_data_varying_predicate_is_not_replicated(mesh, form):
     assert outcome == "refused"
 
 
-@pytest.mark.xfail(REP_AFTER_0_4_28, reason=BUG_COND_HANG, strict=True)
 def test_cond_on_a_varying_predicate_puts_no_collective_inside_a_branch(mesh):
     """cond(axis_index("data") == 0, x * w, x * 2): the gradient of w (replicated) needs a
     psum over 'data', which must not sit inside the branch only device 0 takes. Not run:

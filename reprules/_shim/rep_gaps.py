@@ -7,8 +7,10 @@ defensive all-reduces come back. reprules installs the missing rules, and each
 one changes behaviour only where JAX would otherwise raise:
 
 * ``cond`` / ``switch``: 0.4.28 has no rule at all ("No replication rule for
-  cond"); 0.4.38 - 0.5.x raise when the branches' replication differs. Filled
-  with JAX's own later rule: an output is replicated over the axes on which
+  cond"); 0.4.38 - 0.5.x raise when the branches' replication differs, and
+  their rewrite of a ``cond`` on a varying predicate casts replicated operands
+  inside each branch (jax#40823: the gradient psums inside the branch each
+  device took). Filled, and that rewrite replaced, with JAX's own later rule: an output is replicated over the axes on which
   every branch's output, and the predicate, are replicated; operands are cast
   up before the ``cond`` over the axes the predicate varies over, so that no
   branch holds a collective that only some devices would reach (a deadlock).
@@ -87,8 +89,9 @@ def _cond_check(jax_rule: Any) -> Any:
 
 
 def _cond_rewrite(jax_rule: Any) -> Any:
-    """JAX's rewrite where it has one and the branches agree; otherwise (0.4.28,
-    or branches JAX's check refuses) the operands are cast up *before* the
+    """JAX's rewrite where it has one, the branches agree and no operand is replicated
+    over an axis the predicate varies over; otherwise (0.4.28, branches JAX's check
+    refuses, a varying predicate) the operands are cast up *before* the
     ``cond`` over the axes the predicate varies over. Devices along such an
     axis may take different branches, so no branch may hold a collective over
     it: the casts' transposes (the psums) stay outside the ``cond``."""
@@ -98,10 +101,14 @@ def _cond_rewrite(jax_rule: Any) -> Any:
         from jax.experimental import shard_map as sm
 
         pred_rep, *args_rep = in_rep
-        per_branch = [sm._replication_rewrite_nomatch(mesh, b, args_rep)[1] for b in branches]  # type: ignore[attr-defined]
-        if jax_rule is not None and all(r == per_branch[0] for r in per_branch):
-            return jax_rule(mesh, in_rep, *args, branches=branches, **params)
         varying = set(mesh.axis_names) - set(pred_rep)
+        # JAX's rewrite casts inside each branch: a replicated operand's cotangent is then psummed
+        # inside the branch each device took (a collective only some devices run; jax#40823's
+        # gradient came out 4, not 5). Only where no operand is replicated over such an axis.
+        inside_is_safe = not any(set(r) & varying for r in args_rep)
+        per_branch = [sm._replication_rewrite_nomatch(mesh, b, args_rep)[1] for b in branches]  # type: ignore[attr-defined]
+        if jax_rule is not None and inside_is_safe and all(r == per_branch[0] for r in per_branch):
+            return jax_rule(mesh, in_rep, *args, branches=branches, **params)
         operands = [args[0]] + [
             sm.pbroadcast(x, tuple(sorted(r & varying))) if r & varying else x  # type: ignore[attr-defined]
             for x, r in zip(args[1:], args_rep)
