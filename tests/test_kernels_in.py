@@ -236,7 +236,7 @@ def test_listed_and_removed_like_any_rule(inferred, mesh, no_inference):
 
 def test_inferred_on_a_single_kernel_is_refused(kpkg):
     with pytest.raises(reprules.RegistrationError, match=r"(?s)rules\.inferred\(\) was given for 'double_kernel'.*"
-                       r"Fix: give the kernel a rule such as rules\.same\(\), wrap the calls in "
+                       r"Fix: give the kernel a rule such as reprules\.rules\.same\(\) \(with `import reprules`\), wrap the calls in "
                        r"reprules\.inference\(\)"):
         reprules.replication_rule(rules.inferred())(kpkg.double_kernel)
 
@@ -245,7 +245,7 @@ def test_inferred_on_a_single_kernel_is_refused(kpkg):
 def test_a_fixed_rule_on_a_package_is_refused(kpkg, rule):
     with pytest.raises(reprules.RegistrationError,
                        match=r"(?s)kernels_in\('kpkg'\) takes only rules\.inferred\(\).*silently wrong gradient.*"
-                       r"Fix: reprules\.replication_rule\(rules\.inferred\(\)\)\(reprules\.kernels_in\('kpkg'\)\)"):
+                       r"Fix: reprules\.replication_rule\(reprules\.rules\.inferred\(\)\)\(reprules\.kernels_in\('kpkg'\)\)"):
         reprules.replication_rule(rule)(reprules.kernels_in("kpkg"))
     assert reprules.registered() == {}
 
