@@ -36,14 +36,16 @@ CHUNK = 10
 # bugs known and still open: a chunk whose every counterexample falls in these is an xfail that
 # names them, any other counterexample fails. Remove a class once its bug is fixed; the
 # minimized cases are strict xfails in tests/test_program_counterexamples.py.
-# None is open on 0.6+: rule-less opaque calls and cond/switch/while on a varying predicate are
-# typed soundly there. On 0.4.38 - 0.5.x reprules' cond rewrite keeps a varying predicate's casts
-# outside the branches, but a nested cond whose branches JAX's check_rep rewrite casts inside
-# (seed 7, program 38: an inner cond under a switch, with an FFI call) still gets a collective
-# inside the branch in the backward pass: reported (never run), open.
-KNOWN_OPEN: dict[str, str] = {} if fuzz_programs.JAX_VERSION >= (0, 6) else {
-    "cond": "a collective inside a cond branch on a varying predicate, JAX 0.4.38 - 0.5 (nested conds)",
-    "opaque": "(with cond) an FFI call or primitive in such a branch, JAX 0.4.38 - 0.5",
+# Open: a cond on a varying predicate with a replicated operand whose branches reprules cannot
+# retype (a custom_vjp call inside: seed 1234, programs 70 and 128 on 0.6.2) keeps JAX's own cond,
+# whose transpose on JAX 0.6 - 0.7 psums that operand's cotangent inside the branch (reported from
+# the StableHLO, never run; the same programs are clean on 0.8+). On 0.4.38 - 0.5.x, nested conds
+# whose branches JAX's check_rep rewrite casts inside (seed 7, program 38). Everything else the
+# fuzzer classes (rule-less opaque calls, cond/switch/while typing) is fixed.
+KNOWN_OPEN: dict[str, str] = {} if fuzz_programs.JAX_VERSION >= (0, 8) else {
+    "cond": "a collective inside a cond branch on a varying predicate whose branches reprules cannot "
+            "retype (JAX 0.6 - 0.7: a custom_vjp in the branch; 0.4.38 - 0.5: nested conds)",
+    "opaque": "(with cond) an FFI call or primitive in such a branch",
 }
 
 
