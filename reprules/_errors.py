@@ -109,8 +109,8 @@ def rule_advice(findings: Sequence[Finding] | None, mesh_axes: Sequence[str]) ->
         return [(rule, f"outputs vary over the inputs' axes and {fmt_axes(over)}")], (
             f"{why} ({whats}), so its outputs differ across {fmt_axes(over)} even for equal inputs")
     sound = f"rules.varying({', '.join(map(repr, named))})" if known and named else every
-    over = fmt_axes(named) if known and named else "every mesh axis"
-    found = [(sound, f"always sound: outputs may differ over {over}, what checking off assumes")]
+    over_text = fmt_axes(named) if known and named else "every mesh axis"
+    found = [(sound, f"always sound: outputs may differ over {over_text}, what checking off assumes")]
     if findings is not None and kinds == {"communication"}:
         for group in [named] if known and named else [(a,) for a in axes]:
             found.append((f"rules.invariant({', '.join(map(repr, group))})",

@@ -175,10 +175,10 @@ def _eqn(eqn: Any, ins: list[Dims], executions: int, mesh: dict[str, int], kerne
     if name == "sharding_constraint":
         return [_sharding_dims(p.get("sharding"), _ndim(outvars[0]), mesh)]
     if name == "broadcast_in_dim" and ins[0] is not None:
-        out = [frozenset[str]() for _ in range(_ndim(outvars[0]))]
+        dims: list[frozenset[str]] = [frozenset() for _ in range(_ndim(outvars[0]))]
         for src, dst in enumerate(p.get("broadcast_dimensions", ())):
-            out[dst] = ins[0][src]
-        return [tuple(out)]
+            dims[dst] = ins[0][src]
+        return [tuple(dims)]
     if name == "transpose" and ins[0] is not None:
         return [tuple(ins[0][k] for k in p.get("permutation", ()))]
     if name.startswith(("reduce_", "argmax", "argmin")) and "axes" in p and ins[0] is not None:

@@ -29,6 +29,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any
 
 import jax
@@ -98,7 +99,8 @@ def _staging_depth() -> int:
     inside one manual over every axis, so the frames are what tells them apart."""
     staging = getattr(_jax.module("jax._src.shard_map"), "_shard_map_staging", None)
     code = getattr(staging, "__code__", None)
-    depth, frame = 0, sys._getframe(1)
+    depth = 0
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and code is not None:
         depth += frame.f_code is code
         frame = frame.f_back

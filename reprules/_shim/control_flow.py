@@ -101,8 +101,8 @@ def _while_bind(field: TypeField, bind: Callable[..., Any]) -> Callable[..., Any
     return while_bind
 
 
-def _retype_loop(field: TypeField, args: Sequence[Any], cond_jaxpr: Any, body_jaxpr: Any, cond_nconsts: int,
-                 body_nconsts: int) -> tuple[Sequence[Any], Any, Any]:
+def _retype_loop(field: TypeField, args: tuple[Any, ...], cond_jaxpr: Any, body_jaxpr: Any, cond_nconsts: int,
+                 body_nconsts: int) -> tuple[tuple[Any, ...], Any, Any]:
     """The carries cast up to the predicate's axes, to a fixpoint (carries cast up
     may make the predicate vary over more axes), and both jaxprs retyped for them."""
     nconsts = cond_nconsts + body_nconsts
@@ -160,7 +160,7 @@ def _retrace(field: TypeField, closed: Any, in_avals: Sequence[Any], targets: Se
         vary = [field.varying(jax.typeof(o)) for o in outs]
         return cast_inputs(outs, vary, [v | t for v, t in zip(vary, targets)])
 
-    debug = getattr(closed.jaxpr, "debug_info", None)
+    debug: Any = getattr(closed.jaxpr, "debug_info", None)
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fun, debug_info=debug), list(in_avals))[:3]
     return _jax.ClosedJaxpr(jaxpr, consts)
 
@@ -194,7 +194,7 @@ def _evaluate(field: TypeField, closed: Any, args: Sequence[Any]) -> list[Any]:
         elif prim is getattr(core, "pvary_p", None):
             have = frozenset().union(*(field.varying(jax.typeof(v)) for v in invals))
             axes = tuple(a for a in params["axes"] if a not in have)
-            outs = prim.bind(*invals, **{**params, "axes": axes}) if axes else invals
+            outs = eqn.primitive.bind(*invals, **{**params, "axes": axes}) if axes else invals
         elif _holds_jaxpr(params) and prim not in _self_typing():
             raise _NotRetypable(f"{prim.name} at {_line(eqn)}")
         else:

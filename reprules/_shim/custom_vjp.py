@@ -376,7 +376,7 @@ def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: in
         if bwd_jaxpr is not None:
             try:  # only to explain: an error here must not hide the CotangentError
                 jaxpr, num_res = bwd_jaxpr()
-                ins = [None] * num_res + [frozenset()] * (len(jaxpr.invars) - num_res)
+                ins: list[frozenset[str] | None] = [None] * num_res + [frozenset()] * (len(jaxpr.invars) - num_res)
                 causes = list(dict.fromkeys(_taint_origins(jaxpr, ins, field, bad)))
             except Exception:  # noqa: BLE001
                 causes = []

@@ -74,14 +74,15 @@ def install(field: TypeField, patches: Patches, attach: Callable[[TypeField, Opa
     checking classifies it; a rule-less opaque one gets ``attach``'s hooks
     (the same as a registered primitive's, whose rule lookup then finds none)."""
     global _jax_bind
-    original = _jax_bind = _jax.core.Primitive.bind
+    original: Callable[..., Any] = _jax.core.Primitive.bind
+    _jax_bind = original
 
     def bind(prim: Any, *args: Any, **params: Any) -> Any:
-        own = prim.__dict__.get("bind")
-        if own is not None and getattr(own, "reprules_opaque_hook", False):
+        hooked: Any = prim.__dict__.get("bind")
+        if hooked is not None and getattr(hooked, "reprules_opaque_hook", False):
             # reprules' per-primitive hook, reached through `prim.bind` looked up before it was
             # installed (a bound method kept at import): its casts must not be skipped.
-            return own(*args, **params)
+            return hooked(*args, **params)
         if prim in _seen or not checking() or _jax_kind(prim):
             return original(prim, *args, **params)
         with _lock:
@@ -102,7 +103,8 @@ def jax_bind(prim: Any) -> Callable[..., Any]:
     set one, else JAX's (never the class hook, which sends calls to the per-primitive hook)."""
     if "bind" not in vars(prim) and _jax_bind is not None:
         return functools.partial(_jax_bind, prim)
-    return prim.bind
+    bind: Callable[..., Any] = prim.bind
+    return bind
 
 
 def hooked(prim: Any) -> bool:

@@ -15,6 +15,7 @@ import collections
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, NamedTuple
 
 from reprules import _errors
@@ -35,7 +36,7 @@ _lock = threading.Lock()
 def record(what: str, axes: frozenset[str]) -> None:
     """Remembers that reprules typed a value varying over ``axes`` at the user's line."""
     codes = set()
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:  # the user's frames only: JAX's own (Primitive.bind) run for every call
         if not _frames.is_plumbing(frame):
             codes.add(frame.f_code)
