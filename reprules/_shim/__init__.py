@@ -36,6 +36,7 @@ The modules stand in layers, each importing only those below it
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from types import ModuleType
 
 import jax
@@ -104,15 +105,20 @@ def activate() -> None:
     with _lock:
         if _installed is not None:
             return
-        module = regime()
-        patches = Patches()
-        try:
+        _installed = _installed_by(regime().install, exclude_frames=True)
+
+
+def _installed_by(install: Callable[[Patches], None], exclude_frames: bool = False) -> Patches:
+    """New patches that ``install`` filled; all undone if it raised."""
+    patches = Patches()
+    try:
+        if exclude_frames:
             _source.exclude_shim_frames(patches)  # sources name the user's code, not the shim
-            module.install(patches)
-        except BaseException:
-            patches.undo_all()
-            raise
-        _installed = patches
+        install(patches)
+    except BaseException:
+        patches.undo_all()
+        raise
+    return patches
 
 
 def attach(target: object) -> None:
@@ -128,13 +134,7 @@ def attach(target: object) -> None:
             return  # Pallas kernels and FFI targets use the hooks of activate()
         if op.prim in _attached or opaque_types.hooked(op.prim):
             return  # hooked already (a rule-less opaque call met under checking: the same hooks)
-        patches = Patches()
-        try:
-            regime().attach(op, patches)
-        except BaseException:
-            patches.undo_all()
-            raise
-        _attached[op.prim] = patches
+        _attached[op.prim] = _installed_by(lambda patches: regime().attach(op, patches))
 
 
 def detach(prim: object) -> None:
@@ -191,14 +191,7 @@ def arm_sound_types() -> None:
     with _lock:
         module = regime()
         if _sound_patches is None and hasattr(module, "install_sound_types"):
-            patches = Patches()
-            try:
-                _source.exclude_shim_frames(patches)  # sources name the user's code, not the hooks
-                module.install_sound_types(patches)
-            except BaseException:
-                patches.undo_all()
-                raise
-            _sound_patches = patches
+            _sound_patches = _installed_by(module.install_sound_types, exclude_frames=True)
 
 
 def disarm_sound_types() -> None:
