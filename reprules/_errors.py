@@ -122,7 +122,7 @@ def rule_advice(findings: Sequence[Finding] | None, mesh_axes: Sequence[str]) ->
         return found, "reprules cannot see what it computes, so no rule can be known from it"
     if len(found) == 1:
         return found, (f"its body holds {whats or 'equations that are not local'}, so its outputs may differ "
-                       f"over {over}, and no tighter rule can be known from it")
+                       f"over {over_text}, and no tighter rule can be known from it")
     return found, (f"no rule can be known from its body: {whats or 'it'} may make outputs differ per device "
                    "or keep them equal")
 
