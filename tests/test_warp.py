@@ -113,7 +113,8 @@ def test_jax_alone_refuses_the_gradient(mesh):
     _, g_on = _mul_step(True)  # (Warp makes its targets here, and the pack, armed on import, registers them)
     for reg in list(reprules.registered().values()):
         reprules.unregister(reg.kernel())
-    with pytest.raises(ValueError, match=r"Custom VJP bwd rule .* float32\[32\]\{V:data\}"):
+    # JAX's words differ with jax_custom_vjp3 ("the bwd rule attached to ... produced an output of type")
+    with pytest.raises(ValueError, match=r"(Custom VJP bwd rule|bwd rule attached to) .* float32\[32\]\{V:data\}"):
         jax.jit(g_on)(put(x, mesh, ROWS), put(w, mesh, P()), put(t, mesh, ROWS))
 
 

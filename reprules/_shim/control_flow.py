@@ -195,7 +195,8 @@ def _evaluate(field: TypeField, closed: Any, args: Sequence[Any]) -> list[Any]:
             have = frozenset().union(*(field.varying(jax.typeof(v)) for v in invals))
             axes = tuple(a for a in params["axes"] if a not in have)
             outs = eqn.primitive.bind(*invals, **{**params, "axes": axes}) if axes else invals
-        elif _holds_jaxpr(params) and prim not in _self_typing():
+        elif (_holds_jaxpr(params) or "_prim" in params) and prim not in _self_typing():
+            # (a hijax call, e.g. a custom_jvp under jax_custom_jvp3: its rules were traced for the old types)
             raise _NotRetypable(f"{prim.name} at {_line(eqn)}")
         else:
             if prim not in _collectives() and prim not in _self_typing():

@@ -60,7 +60,7 @@ def _with_note(original: Callable[..., str]) -> Callable[..., str]:
         message = original(f, *args, **kwargs)
         code = getattr(getattr(f, "func", f), "__code__", None)
         with _lock:
-            found = list(dict.fromkeys(t for t in _recent if code is not None and code in t.codes))
+            found = list({t.what: t for t in _recent if code is not None and code in t.codes}.values())
         if not found:
             return message
         return message + "\n\n" + _errors.out_specs_note([t.what for t in found],
