@@ -24,7 +24,6 @@ from jax.sharding import PartitionSpec as P
 import reprules
 from helpers import (JAX_VERSION, NEW_SHARD_MAP, count_all_reduce, make_mesh, max_err, psum_axes, put, randn,
                      shard_map)
-from reprules import rules
 from reprules.testing import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 refuses rule-less primitives and "
@@ -154,8 +153,6 @@ def test_strict_still_refuses_a_rule_less_opaque_call(data):
 
 def test_an_opaque_call_jax_types_soundly_is_left_alone(data):
     """A primitive whose abstract eval keeps the varying axes: no cast, no warning, the same jaxpr."""
-    from jax.core import ShapedArray
-
     p = Primitive("sound_types_keeps")
     p.def_impl(lambda x: x)
     p.def_abstract_eval(lambda x: x)  # x's own type, varying axes included
@@ -166,7 +163,6 @@ def test_an_opaque_call_jax_types_soundly_is_left_alone(data):
         warnings.simplefilter("error", reprules.ReplicationWarning)
         text = str(jax.make_jaxpr(f)(x))
     assert "pvary" not in text and "pcast" not in text, text
-    assert isinstance(ShapedArray, type)
 
 
 # --- control flow on a varying predicate (jax#40823) --------------------------------
@@ -300,14 +296,12 @@ def test_control_flow_on_a_replicated_predicate_is_left_as_jax_types_it(data, mo
     jax.clear_caches()
 
 
-@pytest.mark.skipif(JAX_VERSION < (0, 6), reason="vma era")
 def test_the_switch_is_documented_and_read_at_trace_time(monkeypatch):
     from reprules import _mode_state
 
     assert _mode_state.sound_types()
     monkeypatch.setenv("REPRULES_SOUND_TYPES", "0")
     assert not _mode_state.sound_types()
-    assert rules.same() is not None
 
 
 def test_a_jit_inside_shard_map_differentiates_as_with_jax_alone(data):

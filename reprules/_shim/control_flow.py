@@ -199,7 +199,7 @@ def _evaluate(field: TypeField, closed: Any, args: Sequence[Any]) -> list[Any]:
             # (a hijax call, e.g. a custom_jvp under jax_custom_jvp3: its rules were traced for the old types)
             raise _NotRetypable(f"{prim.name} at {_line(eqn)}")
         else:
-            if prim not in _collectives() and prim not in _self_typing():
+            if prim not in strict.jax_collectives() and prim not in _self_typing():
                 invals = _unify(field, invals)
             outs = prim.bind(*invals, **params)
         outs = outs if prim.multiple_results or isinstance(outs, list) else [outs]
@@ -256,10 +256,6 @@ def _self_typing() -> frozenset[Any]:
 def _calls() -> frozenset[Any]:
     return _jax.primitives((("jax._src.pjit", "pjit_p"), ("jax._src.pjit", "jit_p"),
                             ("jax._src.core", "closed_call_p"), ("jax._src.core", "call_p")))
-
-
-def _collectives() -> frozenset[Any]:
-    return strict.jax_collectives()
 
 
 def _called_jaxpr(prim: Any, params: dict[str, Any]) -> Any:
