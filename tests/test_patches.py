@@ -151,7 +151,7 @@ def test_profiler_wrapping_jax_after_reprules_is_kept_and_reprules_goes_inert(pa
     (eqn,) = [e for e in jaxpr.eqns if e.primitive is pallas_bind] or [
         e for outer in jaxpr.eqns for e in outer.params["jaxpr"].jaxpr.eqns if e.primitive is pallas_bind]
     assert log == ["theirs"]
-    assert _rules.registration_of(eqn.params) is None
+    assert _rules.pallas_registration(eqn.params) is None
     with _kernels._by_jaxpr_lock:
         assert eqn.params["jaxpr"] not in _kernels._by_jaxpr
     np.testing.assert_array_equal(np.asarray(jax.jit(_copy)(x)), np.asarray(x))

@@ -69,6 +69,85 @@ def kernel_being_bound() -> Callable[[], Any] | None:
     return _tracing.get()
 
 
+def no_kernel() -> None:
+    """The kernel of a derived registration: none. Kernel jaxprs bound under it (a
+    derived kernel's JVP, vmap) are known by it as derived too (``_rules.infers_call``)."""
+    return None
+
+
+class PallasCall:
+    """One ``pallas_call_p`` equation's kernel, looked up once and passed down.
+
+    A bind (or a lowering, a rep-era rule) makes one with :meth:`of` and hands it
+    to everything that asks about the kernel: its registration, whether inference
+    applies, its name and site for messages. The name and site are read from the
+    params on first use only (they cost a regex and, on 0.4.28, a walk of frames).
+
+    Attributes:
+      params: The equation's params.
+      kernel_ref: Weak reference to the kernel seen tracing its jaxpr (or to
+        :func:`no_kernel` for a rule derived from the body), else None.
+      direct: Whether the jaxpr was traced straight from that kernel (or the rule
+        derived from this very jaxpr) rather than from a JVP or vmap of it.
+    """
+
+    __slots__ = ("params", "kernel_ref", "direct", "_name", "_site")
+
+    def __init__(self, params: dict[str, Any], kernel_ref: Callable[[], Any] | None, direct: bool) -> None:
+        self.params, self.kernel_ref, self.direct = params, kernel_ref, direct
+        self._name: str | None = None
+        self._site: tuple[str, int, bool] | None | bool = False  # False: not read yet
+
+    @classmethod
+    def of(cls, params: dict[str, Any], *, binding: bool = False) -> PallasCall:
+        """The call of ``params``. ``binding``: it is being bound now, so a jaxpr
+        reprules has not seen belongs to the registered kernel whose bind runs
+        around it (its JVP, vmap), and is remembered as such."""
+        jaxpr = params.get("jaxpr")
+        kernel_ref, direct = kernel_of(jaxpr)
+        if kernel_ref is None and binding:
+            kernel_ref = kernel_being_bound()
+            if kernel_ref is not None and jaxpr is not None:
+                remember(jaxpr, kernel_ref, direct=False)
+        return cls(params, kernel_ref, direct)
+
+    def kernel(self) -> Any:
+        """The kernel object (None: unknown, dead, or a rule derived from the body)."""
+        return self.kernel_ref() if self.kernel_ref is not None else None
+
+    @property
+    def derived(self) -> bool:
+        """Whether the call was given a rule derived from its body (or is bound inside one)."""
+        return self.kernel_ref is no_kernel
+
+    def remember_derived(self) -> None:
+        """Marks the call's kernel jaxpr as having a derived rule, for every later
+        equation met by its params alone (lowering, the custom_vjp fix, reports)."""
+        if self.params.get("jaxpr") is not None:
+            remember(self.params["jaxpr"], no_kernel, direct=True)
+        self.kernel_ref, self.direct = no_kernel, True
+
+    @property
+    def name(self) -> str:
+        """The kernel name JAX stored on the equation."""
+        if self._name is None:
+            self._name = kernel_name_from_params(self.params)
+        return self._name
+
+    @property
+    def site(self) -> tuple[str, int, bool] | None:
+        """(file, line, exact) of the kernel function (see :func:`kernel_site`), or None."""
+        if self._site is False:
+            self._site = kernel_site(self.params, self.name)
+        return self._site  # type: ignore[return-value]
+
+    @property
+    def site_text(self) -> str:
+        """``defined at file:line`` (``traced at`` a body line on 0.4.28), or ``""``."""
+        site = self.site
+        return f"{'defined' if site[2] else 'traced'} at {site[0]}:{site[1]}" if site else ""
+
+
 class Watch:
     """Set when a registered kernel's call is traced inside :func:`watching`."""
 
@@ -148,15 +227,6 @@ def kernel_site(params: dict[str, Any], name: str) -> tuple[str, int, bool] | No
             if frame.function_name == name:
                 return frame.file_name, frame.line_num, False
     return None
-
-
-def site_text(params: dict[str, Any]) -> str:
-    """``defined at file:line`` of the kernel function of a ``pallas_call_p`` equation
-    (``traced at`` a line of its body on 0.4.28, which records no site), or ``""``."""
-    site = kernel_site(params, kernel_name_from_params(params))
-    if site is None:
-        return ""
-    return f"{'defined' if site[2] else 'traced'} at {site[0]}:{site[1]}"
 
 
 def could_be(reg: Registration, name: str, site: tuple[str, int, bool] | None) -> bool:

@@ -18,22 +18,24 @@ from reprules import _registry
 from reprules._errors import UnsupportedJaxError
 from reprules._registry import Registration, lookup
 from reprules._shim import _frames, _jax, _kernels, _rules
+from reprules._shim._kernels import PallasCall
 from reprules._shim._patches import Patches
 
 
-BindHook = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any], "Registration | None", bool], Any]
-"""``on_bind(bind, args, params, reg, direct)``: binds one ``pallas_call_p``
-equation. ``reg`` is the current registration of its kernel (None: no rule),
-``direct`` whether its jaxpr was traced straight from that kernel."""
+BindHook = Callable[[Callable[..., Any], tuple[Any, ...], PallasCall, "Registration | None"], Any]
+"""``on_bind(bind, args, call, reg)``: binds one ``pallas_call_p`` equation.
+``call`` is its kernel, looked up once for the whole bind (its params, and
+``call.direct``: whether its jaxpr was traced straight from that kernel);
+``reg`` the kernel's current registration (None: no rule)."""
 
 
-def traced_bind(bind: Callable[..., Any], args: tuple[Any, ...], params: dict[str, Any],
-                reg: Registration | None, direct: bool) -> Any:
+def traced_bind(bind: Callable[..., Any], args: tuple[Any, ...], call: PallasCall,
+                reg: Registration | None) -> Any:
     """The plain :data:`BindHook`: a registered kernel's bind runs under :func:`tracing`."""
     if reg is None:
-        return bind(*args, **params)
+        return bind(*args, **call.params)
     with _kernels.tracing(reg):
-        return bind(*args, **params)
+        return bind(*args, **call.params)
 
 
 def install_pallas_hooks(
@@ -95,18 +97,13 @@ def install_pallas_hooks(
     original_bind = functools.partial(type(prim).bind, prim)
 
     def bind(*args: Any, **params: Any) -> Any:
-        jaxpr = params.get("jaxpr")
-        kernel_ref, direct = _kernels.kernel_of(jaxpr)
-        if kernel_ref is None:
-            kernel_ref = _kernels.kernel_being_bound()  # inside a registered kernel's bind (its JVP, vmap)
-            if kernel_ref is not None and jaxpr is not None:
-                _kernels.remember(jaxpr, kernel_ref, direct=False)
-        kernel = kernel_ref() if kernel_ref is not None else None
+        call = PallasCall.of(params, binding=True)  # the one lookup of this bind
+        kernel = call.kernel()
         reg = lookup(kernel) if kernel is not None else None
         if reg is None:  # a registered rule always wins; else perhaps a derived one
-            reg = _rules.inferred_registration(params)
-            direct = direct or reg is not None  # derived from this very jaxpr
-        return on_bind(original_bind, args, params, reg, direct)
+            reg = _rules.inferred_registration(call)
+            call.direct = call.direct or reg is not None  # derived from this very jaxpr
+        return on_bind(original_bind, args, call, reg)
 
     patches.setattr(prim, "bind", bind)
 

@@ -23,6 +23,7 @@ from reprules._errors import (Finding, RegistrationError, ReprulesError, RuleErr
                              hidden_mesh_message)
 from reprules._registry import FfiTarget, KernelName, KernelPackage, Registration, lookup
 from reprules._shim import _bodies, _jax, _kernels, _types, infer
+from reprules._shim._kernels import PallasCall
 from reprules.rules import Decision, RuleContext, VaryingSet
 
 
@@ -34,7 +35,7 @@ def jaxpr_calls_registered(jaxpr: Any) -> bool:
     def registered(eqn: Any) -> bool:
         prim = eqn.primitive
         if prim is _jax.pallas_call_p():
-            return registration_of(eqn.params) is not None
+            return pallas_registration(eqn.params) is not None
         if _bodies.kernel_primitive_kind(prim) is not None:  # pl.kernel
             return kernel_registration_of(eqn.params) is not None
         if ffi is not None and prim is ffi.prim:
@@ -65,14 +66,17 @@ def jaxpr_calls_registered(jaxpr: Any) -> bool:
     return visit(jaxpr)
 
 
-def registration_of(params: dict[str, Any]) -> Registration | None:
-    """The current registration behind a ``pallas_call_p`` equation, from its
-    params: its kernel's rule, else (under ``reprules.inference()``) the rule
-    derived from its body, else None."""
-    kernel_ref, _ = _kernels.kernel_of(params.get("jaxpr"))
-    kernel = kernel_ref() if kernel_ref is not None else None
+def registration_of(call: PallasCall) -> Registration | None:
+    """The current registration behind a ``pallas_call_p`` equation: its kernel's
+    rule, else (where inference is on for it) the rule derived from its body, else None."""
+    kernel = call.kernel()
     reg = lookup(kernel) if kernel is not None else None
-    return reg if reg is not None else inferred_registration(params)
+    return reg if reg is not None else inferred_registration(call)
+
+
+def pallas_registration(params: dict[str, Any]) -> Registration | None:
+    """:func:`registration_of` for an equation met by its params alone."""
+    return registration_of(PallasCall.of(params))
 
 
 def infers_function(fn: Any) -> bool:
@@ -88,73 +92,70 @@ def in_inferred_package(fn: Any) -> bool:
     return code is not None and _registry.infers_package_of(code.co_filename) is not None
 
 
-def infers_call(params: dict[str, Any]) -> bool:
+def infers_call(call: PallasCall) -> bool:
     """:func:`infers_function` for the kernel of a ``pallas_call_p`` equation: the
     function JAX traced it from when reprules saw that, else its recorded source file;
     or it was given a derived rule by default (:func:`infer_by_default`), or it is bound
     inside one that was (its JVP, vmap)."""
     if _mode_state.inferring():
         return True
-    if "jaxpr" not in params:
+    if "jaxpr" not in call.params:
         return False
-    kernel_ref, _ = _kernels.kernel_of(params["jaxpr"])
-    if kernel_ref is infer.no_kernel:
+    if call.derived:
         return True
     if not _registry.has_packages():
         return False
-    kernel = kernel_ref() if kernel_ref is not None else None
+    kernel = call.kernel()
     if kernel is not None:
         return in_inferred_package(kernel)
-    site = _kernels.kernel_site(params, _kernels.kernel_name_from_params(params))
-    return site is not None and _registry.infers_package_of(site[0]) is not None
+    return call.site is not None and _registry.infers_package_of(call.site[0]) is not None
 
 
-def inferred_registration(params: dict[str, Any]) -> Registration | None:
+def inferred_registration(call: PallasCall) -> Registration | None:
     """The rule derived from a ``pallas_call_p`` equation's kernel body, if
     inference is on for it and the body is provably local; else None."""
-    if "jaxpr" not in params or not infers_call(params):
+    if "jaxpr" not in call.params or not infers_call(call):
         return None
-    found = infer.registration(params)
+    found = infer.registration(call.params)
     return found if isinstance(found, Registration) else None
 
 
-def infer_by_default(params: dict[str, Any]) -> Registration | None:
+def infer_by_default(call: PallasCall) -> Registration | None:
     """The rule derived for a rule-less ``pallas_call_p`` equation that JAX would refuse
     under checking, unless inference by default is off (``REPRULES_INFER=0``,
     ``reprules.inference(False)``) or the body is not provably local; else None.
 
-    Its kernel jaxpr is remembered as derived, so that everything that later meets
-    the equation by its params alone (the interpret-mode lowering, the custom_vjp
-    fix, reports) sees the same rule."""
-    if "jaxpr" not in params or not _mode_state.inferring_by_default():
+    The call is remembered as derived (:meth:`PallasCall.remember_derived`), so that
+    everything that later meets the equation by its params alone (the interpret-mode
+    lowering, the custom_vjp fix, reports) sees the same rule."""
+    if "jaxpr" not in call.params or not _mode_state.inferring_by_default():
         return None
-    found = infer.registration(params)
+    found = infer.registration(call.params)
     if not isinstance(found, Registration):
         return None
-    if params["jaxpr"] is not None:
-        _kernels.remember(params["jaxpr"], infer.no_kernel, direct=True)
+    call.remember_derived()
     return found
 
 
-def inference_note(params: dict[str, Any], mesh_axes: Sequence[str]) -> str:
+def inference_note(call: PallasCall, mesh_axes: Sequence[str]) -> str:
     """Why inference refused a ``pallas_call_p`` equation, for a MissingRuleError;
     ``""`` if inference is off for it or derived a rule."""
-    if "jaxpr" not in params or not (infers_call(params) or _mode_state.inferring_by_default()):
+    if "jaxpr" not in call.params or not (infers_call(call) or _mode_state.inferring_by_default()):
         return ""
-    found = infer.registration(params)
+    found = infer.registration(call.params)
     if isinstance(found, Registration):
         return ""
-    return infer.refusal_text(found, _kernels.kernel_name_from_params(params), mesh_axes, _jax.JAX_VERSION)
+    return infer.refusal_text(found, call.name, mesh_axes, _jax.JAX_VERSION)
 
 
-def body_findings(params: dict[str, Any]) -> tuple[Finding, ...] | None:
+def body_findings(call: PallasCall) -> tuple[Finding, ...] | None:
     """What the analysis of a ``pallas_call_p`` equation's kernel body finds that is not
     local, for the advice of a MissingRuleError (also where inference is off: the advice
     is then still what the body supports); ``None`` where there is no body to analyse."""
-    if params.get("jaxpr") is None:
+    if call.params.get("jaxpr") is None:
         return None
     try:
-        found = infer.registration(params)
+        found = infer.registration(call.params)
     except Exception:  # advice only: never an error of its own
         return None
     return () if isinstance(found, Registration) else infer.findings(found)
@@ -198,21 +199,18 @@ def identify(primitive: Any, params: dict[str, Any]) -> Identity:
     if found is not None:
         return found
     if primitive is _jax.pallas_call_p():
-        kernel_ref, _ = _kernels.kernel_of(params.get("jaxpr"))
-        name = _kernels.kernel_name_from_params(params)
-        site = _kernels.kernel_site(params, name)
+        call = PallasCall.of(params)
+        site = call.site
         site_text = f"{site[0]}:{site[1]}" if site else ""
-        if kernel_ref is not None:
-            kernel = kernel_ref()  # a dead kernel has no rule any more
-            reg = lookup(kernel) if kernel is not None else None
-            return Identity(reg if reg is not None else inferred_registration(params), site=site_text)
-        inferred = inferred_registration(params)  # derived from the body: no kernel object needed
+        if call.kernel_ref is not None:  # a dead kernel has no rule any more
+            return Identity(registration_of(call), site=site_text)
+        inferred = inferred_registration(call)  # derived from the body: no kernel object needed
         if inferred is not None:
             return Identity(inferred, site=site_text)
         candidates = tuple(
             reg.where for reg in _registry.registrations()
             if not isinstance(reg.kernel_ref(), (FfiTarget, KernelName)) and reg.kernel() is not None
-            and classify(reg.kernel()) == "pallas" and _kernels.could_be(reg, name, site)
+            and classify(reg.kernel()) == "pallas" and _kernels.could_be(reg, call.name, site)
         )
         return Identity(None, identified=not candidates, candidates=candidates, site=site_text)
     ffi = _jax.ffi_call_p()
@@ -295,7 +293,7 @@ def pallas_opaque() -> Opaque:
     return Opaque(
         prim=_jax.pallas_call_p(),
         kind="Pallas kernel",
-        lookup=registration_of,
+        lookup=pallas_registration,
         name=_kernels.kernel_name_from_params,
         layout=_kernels.pallas_layout,
     )

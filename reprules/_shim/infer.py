@@ -160,7 +160,7 @@ def registration(params: dict[str, Any]) -> Registration | Refusal:
     else:
         name = _kernels.kernel_name_from_params(params)
         result = Registration(
-            rule=derived, name=name, where=f"{name} (inferred)", kernel_ref=no_kernel,
+            rule=derived, name=name, where=f"{name} (inferred)", kernel_ref=_kernels.no_kernel,
             source="inferred from the kernel body",
         )
     with _lock:
@@ -169,12 +169,6 @@ def registration(params: dict[str, Any]) -> Registration | Refusal:
         except TypeError:
             pass
     return result
-
-
-def no_kernel() -> None:
-    """The kernel of a derived registration: none. Kernel jaxprs bound under it (a
-    derived kernel's JVP, vmap) are known by it as derived too (``_rules.infers_call``)."""
-    return None
 
 
 # -- a pl.kernel body (core_map on JAX 0.8 - 0.9, mpmd_map from 0.10) ---------------------
@@ -246,7 +240,7 @@ def kernel_registration(jaxprs: Sequence[Any], key: Any, name: str,
             pass
     derived = derive()
     result: Registration | Refusal = derived if isinstance(derived, Refusal) else Registration(
-        rule=derived, name=name, where=f"{name} (inferred)", kernel_ref=no_kernel,
+        rule=derived, name=name, where=f"{name} (inferred)", kernel_ref=_kernels.no_kernel,
         source="inferred from the kernel body",
     )
     with _lock:

@@ -41,6 +41,7 @@ from reprules import _errors
 from reprules._registry import Registration
 from reprules.rules import Decision
 from reprules._shim import _frames, _jax, _kernels, _pallas_hooks, _rules, _union, _verify, infer
+from reprules._shim._kernels import PallasCall
 from reprules._shim._patches import Patches
 from reprules._shim._types import TypeField, call_axes, cast_inputs, checking, manual_axes
 
@@ -207,7 +208,7 @@ def _install_kernel_jvp_fix(patches: Patches) -> None:
     original = ad.primitive_jvps[prim]
 
     def jvp(primals: Any, tangents: Any, **params: Any) -> Any:
-        if _rules.registration_of(params) is None:
+        if _rules.pallas_registration(params) is None:
             return original(primals, tangents, **params)
         with _jax.config._check_vma(False):
             return original(primals, tangents, **params)
@@ -257,22 +258,23 @@ class TypedPallasCall:
         _unannotated.add(aval, refusal)
         return aval
 
-    def _bind(self, bind: Callable[..., Any], args: tuple[Any, ...], params: dict[str, Any],
-                     reg: Registration | None, direct: bool) -> Any:
+    def _bind(self, bind: Callable[..., Any], args: tuple[Any, ...], call: PallasCall,
+              reg: Registration | None) -> Any:
+        params, direct = call.params, call.direct
         unannotated = _unannotated.take(params.get("out_avals", ()))
         if reg is None:
             refusal = next((err for err in unannotated.values() if err is not None), None)
             if refusal is None:
                 return bind(*args, **params)
             # JAX would refuse this call: the rule derived from its body, by default.
-            reg = _rules.infer_by_default(params)
+            reg = _rules.infer_by_default(call)
             direct = True
             if reg is None:
                 raise _errors.MissingRuleError(
                     _errors.missing_rule_message(
-                        _kernels.kernel_name_from_params(params), manual_axes(), _jax.JAX_VERSION,
-                        jax_error=str(refusal), inference=_rules.inference_note(params, manual_axes()),
-                        site=_kernels.site_text(params), findings=_rules.body_findings(params),
+                        call.name, manual_axes(), _jax.JAX_VERSION,
+                        jax_error=str(refusal), inference=_rules.inference_note(call, manual_axes()),
+                        site=call.site_text, findings=_rules.body_findings(call),
                     )
                 ) from refusal
         decided = None
@@ -285,17 +287,18 @@ class TypedPallasCall:
             decided = _rules.decide_here(reg, in_vary, len(out_avals))
         if decided is None:
             # Outside a checked shard_map, or a JVP/vmap of a call typed already.
-            return _pallas_hooks.traced_bind(bind, args, params, reg, direct)
+            return _pallas_hooks.traced_bind(bind, args, call, reg)
         decision, manual = decided
         with call_axes(manual, in_avals):
-            return self._bind_decided(bind, args, params, reg, first, in_vary, out_avals, decision, unannotated)
+            return self._bind_decided(bind, args, call, reg, first, in_vary, out_avals, decision, unannotated)
 
-    def _bind_decided(self, bind: Callable[..., Any], args: tuple[Any, ...], params: dict[str, Any],
+    def _bind_decided(self, bind: Callable[..., Any], args: tuple[Any, ...], call: PallasCall,
                       reg: Registration, first: int, in_vary: tuple[frozenset[str], ...],
                       out_avals: tuple[Any, ...], decision: Decision, unannotated: dict[int, Any]) -> Any:
+        params = call.params
         # An annotated output keeps its annotation only where that claims no fewer axes
         # than the rule (derived or declared): see _union.
-        widened = self._check_annotations(reg, params, out_avals, decision.outputs, unannotated)
+        widened = self._check_annotations(reg, call, out_avals, decision.outputs, unannotated)
         # No transpose rule, so no cast is ever transposed: cast only where JAX types an
         # output like its input (aliasing). See the module docstring.
         if params.get("input_output_aliases"):
@@ -311,7 +314,7 @@ class TypedPallasCall:
             _union.remember(self.field, out_avals, out, params["out_avals"], widened)
         return out
 
-    def _check_annotations(self, reg: Registration, params: dict[str, Any], out_avals: Sequence[Any],
+    def _check_annotations(self, reg: Registration, call: PallasCall, out_avals: Sequence[Any],
                            derived: Sequence[frozenset[str]], unannotated: dict[int, Any]) -> dict[int, Any]:
         """An out_shape annotated by hand (or copied from an operand's type, as
         ``jax.ShapeDtypeStruct.like`` does) that claims an output replicated over
@@ -321,11 +324,10 @@ class TypedPallasCall:
         kept = [i not in unannotated for i in range(len(out_avals))]
         if not any(kept):  # every output typed by the rule: nothing to compare
             return {}
-        aliased = {int(o): int(i) for i, o in params.get("input_output_aliases") or ()}
+        aliased = {int(o): int(i) for i, o in call.params.get("input_output_aliases") or ()}
 
         def subject() -> _union.Subject:
-            name = _kernels.kernel_name_from_params(params)
-            return f"Pallas kernel {name!r}", _kernels.site_text(params), _union.rule_text(reg)
+            return f"Pallas kernel {call.name!r}", call.site_text, _union.rule_text(reg)
 
         return _union.widen(self.field, out_avals, derived, kept, aliased, subject)
 
@@ -340,7 +342,7 @@ class TypedPallasCall:
             # grid bound varies per device (megablox gmm's per-shard group
             # sizes). Either lowers one device's code; the rule typed the call
             # at its bind, so it lowers from untyped avals with checking off.
-            if _interpreted(params.get("interpret")) and _rules.registration_of(params) is not None:
+            if _interpreted(params.get("interpret")) and _rules.pallas_registration(params) is not None:
                 untyped = _retyped(ctx, [field.strip(a) for a in ctx.avals_in],
                                    [field.strip(a) for a in ctx.avals_out])
                 with _jax.config._check_vma(False):

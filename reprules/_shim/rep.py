@@ -20,7 +20,8 @@ from reprules import _errors, _mode_state
 from reprules._decide import decide
 from reprules._registry import Registration
 from reprules.rules import Decision, VaryingSet
-from reprules._shim import _jax, _kernels, _pallas_hooks, _rules, _verify, custom_vjp_rep, infer, rep_gaps
+from reprules._shim import _jax, _pallas_hooks, _rules, _verify, custom_vjp_rep, infer, rep_gaps
+from reprules._shim._kernels import PallasCall
 from reprules._shim._patches import Patches
 from reprules._shim._rules import Opaque
 from reprules._shim._types import rep_manual_axes as manual_axes
@@ -59,9 +60,14 @@ def attach(op: Opaque, patches: Patches) -> None:
         # Reps are sets of *mesh* axes (automatic ones included: nothing varies
         # over those); the rule sees only the manual axes.
         all_axes = frozenset(mesh.axis_names)
-        reg = op.lookup(params)
-        if reg is None and op.prim is _jax.pallas_call_p():
-            reg = _rules.infer_by_default(params)  # JAX refuses every rule-less pallas_call
+        if op.prim is _jax.pallas_call_p():
+            call = PallasCall.of(params)  # one lookup of the kernel for this equation
+            # JAX refuses every rule-less pallas_call: the rule derived from its body, by default.
+            reg = _rules.registration_of(call)
+            if reg is None:
+                reg = _rules.infer_by_default(call)
+        else:
+            reg = op.lookup(params)
         if reg is None:
             return None
         first, num_out = op.layout(params, len(in_rep))
@@ -89,13 +95,14 @@ def attach(op: Opaque, patches: Patches) -> None:
 
     def missing(mesh: Any, params: dict[str, Any]) -> _errors.MissingRuleError:
         jax_error = _jax_refusal(op.prim)
+        call = PallasCall.of(params) if op.prim is _jax.pallas_call_p() else None
         error = _errors.MissingRuleError(
             _errors.missing_rule_message(
                 op.name(params), manual_axes(mesh), _jax.JAX_VERSION, kind=op.kind,
                 jax_error=str(jax_error),
-                inference=_rules.inference_note(params, manual_axes(mesh)) if op.prim is _jax.pallas_call_p() else "",
-                site=_kernels.site_text(params) if op.prim is _jax.pallas_call_p() else "",
-                findings=_rules.body_findings(params) if op.prim is _jax.pallas_call_p() else None,
+                inference=_rules.inference_note(call, manual_axes(mesh)) if call is not None else "",
+                site=call.site_text if call is not None else "",
+                findings=_rules.body_findings(call) if call is not None else None,
             )
         )
         error.__cause__ = jax_error
