@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 import reprules
-from reprules import _audit_comm, _audit_html, _audit_text, _environment, _link_model, _mode_state, _registry, _workloads
+from reprules import _audit_comm, _audit_html, _audit_text, _environment, _link_model, _mode_state, _registry
+from reprules._demo import workloads
 from reprules import _audit_target as protocol
 from reprules._errors import UnsupportedJaxError
 
@@ -390,10 +391,10 @@ def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
     support = reprules.jax_support()
     progress(f"reprules {reprules.__version__} audit: JAX {support['jax']} ({support['regime']} regime), "
              f"{jax.device_count()} {jax.default_backend().upper()} devices, mesh "
-             f"{_workloads.MESH_SHAPE} {_workloads.MESH_AXES}")
-    mesh = _workloads.make_mesh()
+             f"{workloads.MESH_SHAPE} {workloads.MESH_AXES}")
+    mesh = workloads.make_mesh()
     results, failed = [], False
-    cases = _workloads.DEFAULT_CASES
+    cases = workloads.DEFAULT_CASES
     for i, case in enumerate(cases, 1):
         start = time.perf_counter()
         progress(f"[{i}/{len(cases)}] {case.name}: ", end="")
@@ -431,7 +432,7 @@ def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
     unmatched = _unmatched_names()
     findings = _strict_findings(results, unmatched)
     devices = jax.device_count()
-    doc = _document(support, devices, None, dict(zip(_workloads.MESH_AXES, _workloads.MESH_SHAPE)),
+    doc = _document(support, devices, None, dict(zip(workloads.MESH_AXES, workloads.MESH_SHAPE)),
                     results, findings, args.infer, unmatched)
     text = "" if args.json else _audit_text.render(
         _header(support, devices, "the bundled workloads", args.infer, doc["inference"]), results,

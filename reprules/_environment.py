@@ -45,7 +45,7 @@ def backend_started() -> bool:
     """Whether a JAX backend, and so its device count, is already fixed (never imports JAX)."""
     if "jax" not in sys.modules:
         return False
-    from reprules._shim._jax import backends_started  # lazy: JAX is imported already, reprules' shim may not be
+    from reprules._shim.plumbing._jax import backends_started  # lazy: JAX is imported already, reprules' shim may not be
 
     return backends_started()
 

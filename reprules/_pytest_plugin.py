@@ -157,13 +157,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_call(item: pytest.Item) -> Any:
     """With ``REPRULES_VERIFY=1``, fails a test whose kernels broke their rules."""
     yield
-    if "reprules._shim._verify" not in sys.modules:  # nothing was verified: JAX untouched
+    if "reprules._shim" not in sys.modules:  # nothing was verified: JAX untouched
         return
-    from reprules import _modes  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
-    from reprules._shim import _verify  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+    from reprules import _modes, _shim  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
 
     if _modes.verifying():
-        found = _verify.take_mismatches()
+        found = _shim.take_mismatches()
         if found:
             pytest.fail("\n\n".join(found), pytrace=False)
 

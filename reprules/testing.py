@@ -366,7 +366,7 @@ def tpu_on_cpu(chip: str = "v5e", cores: int = 1) -> Iterator[None]:
     import jax
     from jax.experimental.pallas import tpu as pltpu
 
-    from reprules._shim import _jax  # lazy: imports JAX
+    from reprules._shim.plumbing import _jax  # lazy: imports JAX
 
     chips = getattr(pltpu, "ChipVersion", None)
     describe = getattr(pltpu, "get_tpu_info_for_chip", None)

@@ -58,20 +58,20 @@ def enable_cpu_collectives() -> str:
 
 
 # The kernels: JAX #21855's copy kernel (tests/helpers.py) and the audit's Pallas matmul
-# (reprules/_workloads.py), each under custom_vjp.
+# (reprules/_demo/workloads.py), each under custom_vjp.
 
 
 def register_rules() -> None:
     import reprules
     from helpers import copy_kernel
-    from reprules._transformer import matmul_kernel
+    from reprules._demo.transformer import matmul_kernel
 
-    from reprules import _transformer
+    from reprules._demo import transformer
 
     reprules.replication_rule()(copy_kernel)
-    for kernel in _transformer.kernels():  # the matmul kernel among them
+    for kernel in transformer.kernels():  # the matmul kernel among them
         reprules.replication_rule()(kernel)
-    assert matmul_kernel in _transformer.kernels()
+    assert matmul_kernel in transformer.kernels()
 
 
 def randn(seed: int, shape: tuple[int, ...], scale: float = 1.0) -> Any:
@@ -101,7 +101,7 @@ def workloads(mesh: Any, place: Callable[[Any, Any], Any]) -> dict[str, Step]:
     from jax.sharding import PartitionSpec as P
 
     from helpers import kernel_copy, shard_map
-    from reprules._workloads import _make_kernel_matmul as kernel_matmul
+    from reprules._demo.workloads import _make_kernel_matmul as kernel_matmul
 
     steps: dict[str, Step] = {}
 
@@ -159,7 +159,7 @@ def workloads(mesh: Any, place: Callable[[Any, Any], Any]) -> dict[str, Step]:
         # forward: y over model, loss over data; backward: dW1, dW2 over data, dx over model.
         psum_axes=tuple(sorted([("data",)] * 3 + [("model",)] * 2)))
 
-    # 4. the transformer of reprules._transformer (TRANSFORMER_LAYERS layers, a shard_map
+    # 4. the transformer of reprules._demo.transformer (TRANSFORMER_LAYERS layers, a shard_map
     # per sublayer): Pallas matmul, layer norm and attention kernels under custom_vjp.
     steps["transformer"] = transformer_step(mesh, place)
     return steps
@@ -169,26 +169,26 @@ TRANSFORMER_LAYERS = 2
 
 
 def transformer_config() -> Any:
-    from reprules import _transformer
+    from reprules._demo import transformer
 
-    return _transformer.Config(layers=TRANSFORMER_LAYERS)
+    return transformer.Config(layers=TRANSFORMER_LAYERS)
 
 
 def transformer_step(mesh: Any, place: Callable[[Any, Any], Any]) -> Step:
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from reprules import _transformer
+    from reprules._demo import transformer
 
     cfg = transformer_config()
-    params, x, t = _transformer.host_data(cfg)
-    placed = jax.tree_util.tree_map(place, params, _transformer.param_specs(cfg))
-    act = P(*_transformer.ACT)
-    step = jax.value_and_grad(_transformer.loss_fn(_transformer._forward(cfg, mesh, "reprules")))
+    params, x, t = transformer.host_data(cfg)
+    placed = jax.tree_util.tree_map(place, params, transformer.param_specs(cfg))
+    act = P(*transformer.ACT)
+    step = jax.value_and_grad(transformer.loss_fn(transformer._forward(cfg, mesh, "reprules")))
     layers = cfg.layers
     return Step(
         step, (placed, place(x, act), place(t, act)),
-        lambda: jax.value_and_grad(_transformer.reference_loss(cfg))(params, x, t),
+        lambda: jax.value_and_grad(transformer.reference_loss(cfg))(params, x, t),
         # over model: 2 forward psums and 2 backward ones (layer norm outputs) a layer; over
         # data: 4 weight and 4 layer-norm gradients a layer, the final layer norm's 2.
         psum_axes=tuple(sorted([("model",)] * (4 * layers) + [("data",)] * (8 * layers + 2))))

@@ -64,7 +64,7 @@ linear.defvjp(_fwd, _bwd)
 @pytest.fixture(autouse=True)
 def inferred():
     """Rules derived from the bodies, as a pack's rules.inferred() gives them."""
-    from reprules._shim import _union
+    from reprules._shim.rules import _union
 
     _union._warned.clear()  # one warning per kernel and process: each test starts afresh
     with reprules.inference():

@@ -16,7 +16,8 @@ from helpers import make_mesh, max_err, put, randn, shard_map
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
-from reprules import _hlo_graph, _link_model, _workloads, testing
+from reprules import _hlo_graph, _link_model, testing
+from reprules._demo import workloads
 from reprules.testing import cpu_kernels
 
 pytest_plugins = ["pytester"]
@@ -205,13 +206,13 @@ def test_a_psum_of_a_replicated_value_is_a_multiplication(mesh, check):
 
 
 def test_a_defensive_all_reduce_is_reported_once_not_as_cheaper(mesh):
-    case = next(c for c in _workloads.DEFAULT_CASES if c.name == "issue21855")
+    case = next(c for c in workloads.DEFAULT_CASES if c.name == "issue21855")
     built = case.build(mesh, False)
     report = testing.collectives(built.step, *built.args)
     assert report.defensive and not report.cheaper and not report.implicit
 
 
-@pytest.mark.parametrize("case", _workloads.DEFAULT_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", workloads.DEFAULT_CASES, ids=lambda c: c.name)
 def test_no_false_alarm_on_the_bundled_workloads(mesh, case):
     import reprules
 

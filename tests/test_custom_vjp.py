@@ -246,7 +246,7 @@ def test_a_mixed_cotangent_inside_a_custom_vjp_of_the_bwd_is_still_refused(vjp3)
 
 
 def _count_bwd_runs(monkeypatch):
-    from reprules._shim import _bwd_trace as impl
+    from reprules._shim.cotangents import _bwd_trace as impl
 
     runs = {"straight": 0, "traced": 0, "replayed": 0}
 

@@ -58,7 +58,7 @@ vmapped = pytest.mark.parametrize("vmap", [True, False], ids=["vmap", "no-vmap"]
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-    from reprules._shim import _union
+    from reprules._shim.rules import _union
 
     _union._warned.clear()  # one warning per kernel and process: each test starts afresh
     yield

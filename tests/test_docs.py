@@ -196,7 +196,7 @@ EFFECT_CLASS_WORDS = {"pure": "pure", "refs": "refs", "fresh": "fresh", "observe
 def test_the_effect_model_page_has_every_class_the_code_uses():
     """Every class ``effect_table()`` gives a primitive on this JAX is a row of the docs' table,
     and every row is a class the code has (the code's table and the page say the same)."""
-    from reprules._shim import _effects
+    from reprules._shim.inference import _effects
 
     page = (pathlib.Path(__file__).parent.parent / ".docs" / "pages" / "inference.md").read_text()
     table = page[page.index("## The effect model"):]

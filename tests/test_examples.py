@@ -197,9 +197,9 @@ def test_benchmark_smoke(tmp_path):
     assert results["jax"] == jax.__version__ and results["devices"] == 8
     work = results["workloads"]
     assert set(work) == {"activation", "tp_mlp", "layer_norm", "transformer"}
-    # The transformer (1 layer): the formulas of reprules._scale equal the measured
+    # The transformer (1 layer): the formulas of reprules._demo.scale equal the measured
     # bytes, every variant's gradients equal the unsharded reference, inference as reprules.
-    formulas = next(t for t in results["targets"] if t["target"].startswith("reprules._scale formulas"))
+    formulas = next(t for t in results["targets"] if t["target"].startswith("reprules._demo.scale formulas"))
     assert formulas["met"] is True and set(formulas["value"]) == {"transformer"}, formulas
     tf = work["transformer"]
     assert tf["lower_config"] == {"rounds": 1, "best_of": 1, "warm_first": True, "stack_offsets": 64, "stack_step_bytes": 256}

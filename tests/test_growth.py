@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import reprules
 from helpers import make_mesh, shard_map
 from reprules import _decide, _registry, rules
-from reprules._shim import _kernels
+from reprules._shim.kernels import _identity
 
 FRESH_FUNCTIONS = 240  # each traced once: forward only, every 4th one with its gradient
 SHAPES = ((8, 16), (8, 32))
@@ -39,13 +39,13 @@ def _make_kernel():
 
 
 def _pending_out_shapes() -> int:
-    from reprules._shim import pallas_call
+    from reprules._shim.entry_points import pallas_call
 
     return len(pallas_call._unannotated.items)  # filled on the vma and mat eras only
 
 
 def _refused_out_shapes() -> int:
-    from reprules._shim import pallas_call
+    from reprules._shim.entry_points import pallas_call
 
     return len(pallas_call._refused._items)  # filled on the vma and mat eras only
 
@@ -58,9 +58,9 @@ def _sizes(kernel=None) -> dict[str, int]:
     def mine(ref) -> bool:
         return kernel is None or ref() is kernel
 
-    with _kernels._by_jaxpr_lock:
-        by_jaxpr = [(j, ref) for j, ref in _kernels._by_jaxpr.items() if mine(ref)]
-        direct = sum(1 for j, _ in by_jaxpr if j in _kernels._direct)
+    with _identity._by_jaxpr_lock:
+        by_jaxpr = [(j, ref) for j, ref in _identity._by_jaxpr.items() if mine(ref)]
+        direct = sum(1 for j, _ in by_jaxpr if j in _identity._direct)
     return {
         "registry": len(_registry._rules) + len(_registry._targets),
         "decisions": _decide.cache_info()["size"],
@@ -68,7 +68,7 @@ def _sizes(kernel=None) -> dict[str, int]:
         "refused_out_shapes": _refused_out_shapes(),
         "patched_primitives": len(_shim._attached),
         "kernel_jaxprs": len(by_jaxpr),
-        "direct_jaxprs": direct if kernel is not None else len(_kernels._direct),
+        "direct_jaxprs": direct if kernel is not None else len(_identity._direct),
     }
 
 

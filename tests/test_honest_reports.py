@@ -74,14 +74,14 @@ AUDIT_TARGET = textwrap.dedent('''
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import kernels_a, kernels_b
     import reprules
-    from reprules import _workloads
+    from reprules._demo import workloads
 
     reprules.replication_rule()(kernels_a.copy_kernel)  # kernels_b.copy_kernel: no rule
 
     def step():
         mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
         x = jax.device_put(jnp.ones((8, 128)), NamedSharding(mesh, P("data", None)))
-        f = _workloads.shard_map(lambda x: kernels_b.copy(kernels_a.copy(x)), mesh, P("data", None),
+        f = workloads.shard_map(lambda x: kernels_b.copy(kernels_a.copy(x)), mesh, P("data", None),
                                  P("data", None), check=False)
         return f, (x,)
 ''')

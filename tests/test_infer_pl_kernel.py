@@ -281,15 +281,15 @@ def test_a_registered_rule_wins(mesh):
 
 
 def test_verify_checks_inferred_rules(mesh, monkeypatch):
-    from reprules._shim import infer
+    from reprules._shim.inference import infer
 
-    from reprules._shim import _kernels
+    from reprules._shim.kernels import _identity
 
     # A wrong derivation (impossible by construction, so forced here) must be caught. Forced
     # for the pallas_call JAX 0.8 discharges the body into too, so that both levels agree.
     monkeypatch.setattr(infer, "for_kernel_bodies", lambda *a: infer.InferredRule((frozenset(),), 1))
     monkeypatch.setattr(infer, "for_pallas_call", lambda params, *axes: infer.InferredRule(
-        (frozenset(),) * _kernels.pallas_counts(params)[1], _kernels.pallas_counts(params)[0]))
+        (frozenset(),) * _identity.pallas_counts(params)[1], _identity.pallas_counts(params)[0]))
     x = put(randn(0, (8, 128)), mesh, P("data", None))
     f = shard_map(scale, mesh, P("data", None), P())
     with pytest.raises(reprules.ReplicationMismatchError, match="'body'.*'data'"):

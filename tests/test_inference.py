@@ -198,7 +198,7 @@ def test_a_write_through_the_aliased_input_ref_reaches_the_output(mesh):
 
 def test_an_alias_between_operands_that_are_not_both_refs_is_refused():
     """Analysed apart, a write through one would not reach the other: no guess."""
-    from reprules._shim import infer
+    from reprules._shim.inference import infer
 
     closed = jax.make_jaxpr(lambda a, b: a + b)(1.0, 2.0)  # two values, no refs
     found = infer.summarize(closed.jaxpr, (frozenset({0, 1}),))
@@ -389,7 +389,7 @@ def test_after_inference_an_armed_reprules_names_the_missing_rule(mesh):
 
 
 def test_each_kernel_body_is_analysed_once(mesh, monkeypatch):
-    from reprules._shim import _analysis
+    from reprules._shim.inference import _analysis
 
     calls = []
     original = _analysis._summarize
@@ -422,7 +422,7 @@ def test_inferred_decisions_join_the_decision_cache(mesh):
 
 
 def test_verify_checks_inferred_rules(mesh, monkeypatch):
-    from reprules._shim import infer
+    from reprules._shim.inference import infer
 
     # A wrong derivation (impossible by construction, so forced here) must be caught.
     monkeypatch.setattr(infer, "for_pallas_call", lambda params, *axes: infer.InferredRule((frozenset(),), 1))

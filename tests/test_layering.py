@@ -17,21 +17,22 @@ PACKAGE = ROOT / "reprules"
 CORE = {"reprules._errors", "reprules.rules", "reprules._registry", "reprules._decide", "reprules._mode_state",
         "reprules._version"}
 
-# The shim's layers, lowest first (the shim's __init__ says what each is for). A
-# shim module imports only from its own layer or lower ones (and the core); the
-# cycle test below keeps imports within a layer one way.
-SHIM_LAYERS = [
-    {"_jax", "_patches", "_frames"},  # JAX's internals, patch bookkeeping
-    {"_types", "_kernels", "_bodies"},  # varying axes per era; which kernel an equation is
-    {"_equations", "_effects", "_analysis", "infer"},  # inference: a jaxpr in, a rule or a refusal out
-    {"_rules", "_taint", "_union"},  # the rule behind an equation; a bwd's cotangent taints; annotation unions
-    {"_pallas_hooks", "pallas_call", "_kernel_inference", "core_map", "primitives", "strict", "_bwd_trace", "custom_vjp",
-     "_verify", "_source", "pcast", "opaque_types", "control_flow", "out_specs_note"},  # adapters
-    {"rep", "rep_gaps", "custom_vjp_rep", "vma", "mat"},  # eras: choose and install
-    {"__init__"},
-]
-LAYER = {f"reprules._shim.{m}" if m != "__init__" else "reprules._shim": i
-         for i, layer in enumerate(SHIM_LAYERS) for m in layer}
+# The shim's folders, one concern each, lowest first (the shim's __init__ has the
+# same table, saying what each owns). A module imports only from its own folder,
+# lower folders and the core; the cycle test below keeps imports within a folder
+# one way. The façade (reprules._shim itself) stands on top of them all.
+SHIM_FOLDERS = ["plumbing", "kernels", "inference", "rules", "safety", "cotangents", "sound_types", "entry_points",
+                "eras"]
+FACADE = "reprules._shim"
+
+
+def _folder_rank(module):
+    """The rank of ``module``'s folder in SHIM_FOLDERS (the façade ranks above them all)."""
+    if module == FACADE:
+        return len(SHIM_FOLDERS)
+    return SHIM_FOLDERS.index(module.split(".")[2])
+
+
 MAX_LINES = 600
 
 
@@ -75,9 +76,9 @@ MODULES = {name: {m for m, _ in _imports(tree)} - {name} for name, tree in TREES
 
 
 def test_the_module_list_is_read():
-    assert {"reprules", "reprules._modes", "reprules._shim", "reprules._shim._jax", "reprules._shim.vma",
+    assert {"reprules", "reprules._modes", "reprules._shim", "reprules._shim.plumbing._jax", "reprules._shim.eras.vma",
             "reprules._mode_state"} <= set(MODULES)
-    assert MODULES["reprules._shim.vma"] >= {"reprules._shim.pallas_call", "reprules._shim.core_map"}
+    assert MODULES["reprules._shim.eras.vma"] >= {"reprules._shim.entry_points.pallas_call", "reprules._shim.entry_points.core_map"}
 
 
 def test_no_import_cycle_anywhere_in_the_package():
@@ -99,18 +100,59 @@ def test_no_import_cycle_anywhere_in_the_package():
             visit(module, [module])
 
 
-def test_every_shim_module_has_a_layer():
-    shim = {m for m in MODULES if m.startswith("reprules._shim")}
-    assert shim == set(LAYER), f"unplaced: {sorted(shim - set(LAYER))}; gone: {sorted(set(LAYER) - shim)}"
+SHIM = sorted(m for m in MODULES if m.startswith(FACADE))
 
 
-@pytest.mark.parametrize("module", sorted(LAYER))
-def test_a_shim_module_imports_only_its_layer_lower_layers_and_the_core(module):
+def test_the_shim_is_its_folders():
+    """No module beside the façade: each sits in the folder of its concern."""
+    loose = [m for m in SHIM if m != FACADE and (len(m.split(".")) not in (3, 4) or m.split(".")[2] not in SHIM_FOLDERS)]
+    assert not loose, f"modules outside the shim's folders {SHIM_FOLDERS}: {loose}"
+    assert {f"{FACADE}.{f}" for f in SHIM_FOLDERS} <= set(SHIM), "a folder of SHIM_FOLDERS is missing"
+    assert all(any(m.startswith(f"{FACADE}.{f}.") for m in SHIM) for f in SHIM_FOLDERS), "an empty folder"
+
+
+@pytest.mark.parametrize("folder", SHIM_FOLDERS)
+def test_a_folder_says_what_it_owns_and_imports_nothing(folder):
+    """Its ``__init__`` is one docstring: importing one module of a folder loads no other."""
+    tree = TREES[f"{FACADE}.{folder}"]
+    doc = ast.get_docstring(tree)
+    assert doc and len(doc.split()) >= 30, f"{folder}/__init__.py: say what the folder owns"
+    assert len(tree.body) == 1, f"{folder}/__init__.py holds code besides its docstring"
+
+
+def test_the_facade_table_lists_the_folders_in_their_order():
+    table = ast.get_docstring(TREES[FACADE]).split("Lowest first:")[1]
+    rows = re.findall(r"^``(\w+)``\s{2,}", table, re.M)
+    assert rows == SHIM_FOLDERS
+
+
+@pytest.mark.parametrize("module", SHIM)
+def test_a_shim_module_imports_only_its_folder_lower_folders_and_the_core(module):
     for dep in MODULES[module]:
-        if dep.startswith("reprules._shim"):
-            assert LAYER[dep] <= LAYER[module], f"{module} (layer {LAYER[module]}) imports {dep} (layer {LAYER[dep]})"
+        if dep.startswith(FACADE):
+            assert _folder_rank(dep) <= _folder_rank(module), f"{module} imports {dep}, a folder above its own"
         else:
             assert dep in CORE, f"{module} imports {dep}: the shim may use only itself and {sorted(CORE)}"
+
+
+def test_the_rest_of_reprules_reaches_the_shim_through_its_facade():
+    """Beside the façade, only the version facts of ``plumbing._jax`` (read before the shim is armed)."""
+    allowed = {FACADE, f"{FACADE}.plumbing._jax"}
+    reaching_in = [f"{m} imports {dep}" for m in MODULES if not m.startswith(FACADE)
+                   for dep in MODULES[m] if dep.startswith(FACADE) and dep not in allowed]
+    assert not reaching_in, reaching_in
+
+
+def test_one_lookup_of_a_pallas_calls_kernel_per_bind():
+    """The bind hook looks the kernel up (``PallasCall.of``) and hands the call down: the
+    era's bind and the rules it asks take the call, never the params to look up again."""
+    hooks = SOURCES[f"{FACADE}.entry_points._pallas_hooks"]
+    bind = hooks[hooks.index("    def bind("):hooks.index("    patches.setattr(prim, \"bind\", bind)")]
+    assert bind.count("PallasCall.of(") == 1 and "kernel_of(" not in bind
+    adapter = SOURCES[f"{FACADE}.entry_points.pallas_call"]
+    for body in (adapter[adapter.index("    def _bind("):adapter.index("    def _check_annotations(")],):
+        assert "kernel_of(" not in body and "PallasCall.of(" not in body and "kernel_name_from_params" not in body
+        assert "site_text(params" not in body and "(params)" not in body.replace("pallas_registration(params)", "")
 
 
 @pytest.mark.parametrize("module", sorted(CORE))
@@ -131,10 +173,10 @@ def test_only_the_bottom_of_the_shim_imports_jax_internals():
         for node in ast.walk(tree):
             modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
                        else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            if any(m.startswith("jax._src") for m in modules) and name != "reprules._shim._jax":
+            if any(m.startswith("jax._src") for m in modules) and name != "reprules._shim.plumbing._jax":
                 offenders.append(f"{name}:{node.lineno}")
             if any(m == "importlib" for m in modules) and name.startswith("reprules._shim") \
-                    and name != "reprules._shim._jax":
+                    and name != "reprules._shim.plumbing._jax":
                 offenders.append(f"{name}:{node.lineno} (importlib)")
     assert not offenders, offenders
 
@@ -172,5 +214,5 @@ def test_ci_code_uses_only_public_api():
 
 
 def test_the_workloads_import_the_transformer_not_the_reverse():
-    assert "reprules._transformer" in MODULES["reprules._workloads"]
-    assert "reprules._workloads" not in MODULES["reprules._transformer"]
+    assert "reprules._demo.transformer" in MODULES["reprules._demo.workloads"]
+    assert "reprules._demo.workloads" not in MODULES["reprules._demo.transformer"]

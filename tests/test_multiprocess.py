@@ -5,7 +5,7 @@ coordinator (``jax.distributed.initialize``, gloo CPU collectives), each with
 4 fake CPU devices, so the (4, 2) ``("data", "model")`` mesh spans both
 processes (``data`` crosses the process boundary). Each runs, with rules
 registered and checking on: the #21855 model, a data-parallel MLP, a
-tensor-parallel MLP and a 2-layer transformer (``reprules._transformer``), all
+tensor-parallel MLP and a 2-layer transformer (``reprules._demo.transformer``), all
 with Pallas kernels under ``custom_vjp``. The losses
 and gradients must equal those of the same steps on one process with 8 devices
 (computed here) and the unsharded reference, and ``reprules.testing`` must find
@@ -30,7 +30,7 @@ import pytest
 import _multiprocess_worker as worker
 import reprules
 from helpers import JAX_VERSION, copy_kernel
-from reprules import _transformer
+from reprules._demo import transformer
 
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 4
@@ -126,7 +126,7 @@ def runs(tmp_path_factory):
                             step.reference(), step.psum_axes)
     finally:
         reprules.unregister(copy_kernel)
-        for kernel in _transformer.kernels():
+        for kernel in transformer.kernels():
             reprules.unregister(kernel)
     return processes, single
 
@@ -188,12 +188,12 @@ def test_only_the_needed_collectives(runs, name):
 
 
 def test_transformer_bytes_per_process(runs):
-    """Each device of each process moves what the formula (reprules._scale) says one
+    """Each device of each process moves what the formula (reprules._demo.scale) says one
     device of the 8 needs: the program's all-reduces, nothing defensive (compiled HLO
     adds the loss's 4-byte all-reduce, and JAX 0.5 an unmatched copy of one gradient's)."""
     processes, _ = runs
     mesh = dict(zip(worker.MESH_AXES, worker.MESH_SHAPE))
-    expected = _transformer.expected_bytes(worker.transformer_config(), mesh)
+    expected = transformer.expected_bytes(worker.transformer_config(), mesh)
     for i, (summary, _) in enumerate(processes):
         step = summary["steps"]["transformer"]
         assert (step["jaxpr_bytes"], step["defensive_bytes"]) == (expected.needed, 0), (

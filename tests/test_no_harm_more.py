@@ -200,7 +200,7 @@ def _jax_state():
     from jax._src.pallas import pallas_call as pallas_call_mod
     from jax.experimental import pallas as pl_mod
 
-    from reprules._shim import _jax
+    from reprules._shim.plumbing import _jax
 
     objects = {"pallas_call_p": _jax.pallas_call_p(), "scale_p": scale_p,
                "pallas_call module": pallas_call_mod, "pallas module": pl_mod,

@@ -11,7 +11,10 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from reprules._shim import _jax, _kernels, _patches, _rules, pallas_call
+from reprules._shim.plumbing import _jax, _patches
+from reprules._shim.kernels import _identity
+from reprules._shim.rules import _resolve
+from reprules._shim.entry_points import pallas_call
 
 
 # --- the mechanism, on plain Python objects ----------------------------------------
@@ -146,14 +149,14 @@ def test_profiler_wrapping_jax_after_reprules_is_kept_and_reprules_goes_inert(pa
     reg = reprules.Registration(rule=reprules.rules.same(), name="copy_kernel", where="test",
                                 kernel_ref=lambda: copy_kernel)
     x = randn(0, (8, 128))
-    with _kernels.tracing(reg):
+    with _identity.tracing(reg):
         jaxpr = jax.make_jaxpr(_copy)(x)
     (eqn,) = [e for e in jaxpr.eqns if e.primitive is pallas_bind] or [
         e for outer in jaxpr.eqns for e in outer.params["jaxpr"].jaxpr.eqns if e.primitive is pallas_bind]
     assert log == ["theirs"]
-    assert _rules.pallas_registration(eqn.params) is None
-    with _kernels._by_jaxpr_lock:
-        assert eqn.params["jaxpr"] not in _kernels._by_jaxpr
+    assert _resolve.pallas_registration(eqn.params) is None
+    with _identity._by_jaxpr_lock:
+        assert eqn.params["jaxpr"] not in _identity._by_jaxpr
     np.testing.assert_array_equal(np.asarray(jax.jit(_copy)(x)), np.asarray(x))
 
 

@@ -1,6 +1,6 @@
-"""reprules._scale: the bytes-per-step formulas, checked against measured steps.
+"""reprules._demo.scale: the bytes-per-step formulas, checked against measured steps.
 
-The formulas give, for the transformer of ``reprules._transformer`` at any size
+The formulas give, for the transformer of ``reprules._demo.transformer`` at any size
 and mesh, the all-reduce bytes per device and step with reprules (the
 analytical minimum) and with checking off. Here they are checked against
 ``reprules.testing.collectives`` of real steps on the (4, 2) mesh (the
@@ -16,22 +16,22 @@ import pytest
 
 import reprules
 from helpers import make_mesh
-from reprules import _scale, _transformer, rules
+from reprules._demo import scale, _transformer, rules
 
-SMALL = _transformer.Config(layers=2, d_model=32, heads=2, ffn=64, seq=8, batch=4)
+SMALL = transformer.Config(layers=2, d_model=32, heads=2, ffn=64, seq=8, batch=4)
 MESH = {"data": 4, "model": 2}
 
 
-def _measured(cfg: _transformer.Config, variant: str) -> tuple[int, int, int]:
+def _measured(cfg: transformer.Config, variant: str) -> tuple[int, int, int]:
     """(bytes, defensive bytes, count) of the step's own collectives (jaxpr, lowered),
     each counted once per layer when inside the scan over layers."""
     mesh = make_mesh()
-    kernels = _transformer.kernels()
+    kernels = transformer.kernels()
     if variant == "reprules":
         for k in kernels:
             reprules.replication_rule(rules.same())(k)
     try:
-        step, args = _transformer.build(mesh, variant, cfg)
+        step, args = transformer.build(mesh, variant, cfg)
         report = reprules.testing.collectives(step, *args)
     finally:
         for k in kernels:
@@ -47,7 +47,7 @@ def _measured(cfg: _transformer.Config, variant: str) -> tuple[int, int, int]:
                          ids=["unrolled-off", "unrolled-reprules", "scan-off"])
 def test_formulas_match_measured_steps(scan, variant):
     cfg = dataclasses.replace(SMALL, scan=scan)
-    expected = _transformer.expected_bytes(cfg, MESH)
+    expected = transformer.expected_bytes(cfg, MESH)
     total, defensive, _ = _measured(cfg, variant)
     if variant == "reprules":
         assert (total, defensive) == (expected.needed, 0)
@@ -56,31 +56,31 @@ def test_formulas_match_measured_steps(scan, variant):
 
 
 def test_what_checking_off_adds():
-    m = _scale.Model(layers=24, d_model=64, ffn=128, itemsize=4)
-    act = _scale.activation_bytes(m, tokens=32)
-    b = _scale.step_bytes(m, _scale.Mesh(4, 2), tokens=32)
+    m = scale.Model(layers=24, d_model=64, ffn=128, itemsize=4)
+    act = scale.activation_bytes(m, tokens=32)
+    b = scale.step_bytes(m, scale.Mesh(4, 2), tokens=32)
     assert act == 32 * 64 * 4
     assert b.model_extra == 4 * 24 * act == b.model_needed  # checking off doubles the activation traffic
-    assert _scale.step_bytes(m, _scale.Mesh(4, 2), 32, scan=True).model_extra == (4 * 24 + 1) * act
-    assert _scale.step_bytes(m, _scale.Mesh(4, 2), 32, structure="model").off == b.needed
+    assert scale.step_bytes(m, scale.Mesh(4, 2), 32, scan=True).model_extra == (4 * 24 + 1) * act
+    assert scale.step_bytes(m, scale.Mesh(4, 2), 32, structure="model").off == b.needed
     # Nothing over `model` without a model axis, nothing over `data` without a data axis.
-    assert _scale.step_bytes(m, _scale.Mesh(8, 1), 32).model_extra == 0
-    assert _scale.step_bytes(m, _scale.Mesh(1, 8), 32).data_needed == 0
+    assert scale.step_bytes(m, scale.Mesh(8, 1), 32).model_extra == 0
+    assert scale.step_bytes(m, scale.Mesh(1, 8), 32).data_needed == 0
     with pytest.raises(ValueError, match="structure"):
-        _scale.step_bytes(m, _scale.Mesh(4, 2), 32, structure="layer")
+        scale.step_bytes(m, scale.Mesh(4, 2), 32, structure="layer")
 
 
 def test_seven_b_table():
-    m = _scale.gpt3_6_7b()
+    m = scale.gpt3_6_7b()
     assert 6.4e9 < m.parameters() < 6.5e9
-    rows = _scale.table(m, [_scale.Mesh(32, 8)], _scale.GPT3_BATCH_TOKENS)
+    rows = scale.table(m, [scale.Mesh(32, 8)], scale.GPT3_BATCH_TOKENS)
     (row,) = rows
     assert row.tokens == 65536
     assert row.extra == 4 * 32 * 65536 * 4096 * 2  # 68.7 GB per device and step
     nvlink = row.extra_seconds["H100 NVLink 4 (900 GB/s bidirectional)"]
     assert nvlink == pytest.approx(2 * 7 / 8 * row.extra / 450e9)
-    assert _scale.allreduce_seconds(1e9, 1, 1e9) == 0.0
-    assert "| 32 x 8 | 65,536 |" in _scale.markdown(rows)
+    assert scale.allreduce_seconds(1e9, 1, 1e9) == 0.0
+    assert "| 32 x 8 | 65,536 |" in scale.markdown(rows)
 
 
 def test_transformer_matches_its_reference():
@@ -89,10 +89,10 @@ def test_transformer_matches_its_reference():
 
     cfg = dataclasses.replace(SMALL, layers=1)
     mesh = make_mesh()
-    for k in _transformer.kernels():
+    for k in transformer.kernels():
         reprules.replication_rule(rules.same())(k)
-    step, args = _transformer.build(mesh, "reprules", cfg)
+    step, args = transformer.build(mesh, "reprules", cfg)
     grads = jax.jit(step)(*args)
-    ref = _transformer.reference_grads(cfg)
+    ref = transformer.reference_grads(cfg)
     for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)

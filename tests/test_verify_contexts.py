@@ -42,7 +42,7 @@ JAX_TEXT = re.escape(f"JAX {jax.__version__}")
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     """Each skip warns once per kernel, axes and reason: every test sees its own."""
-    from reprules._shim import _verify
+    from reprules._shim.safety import _verify
 
     skipped = getattr(_verify, "_skipped", set())
     skipped.clear()

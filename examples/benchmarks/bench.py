@@ -14,13 +14,13 @@ each workload:
 * ``layer_norm``: JAX's own Pallas ``layer_norm`` op, ``x`` on ``data``.
 * ``transformer`` / ``transformer_scan`` (not run by default: minutes of
   tracing and compiling on CPU): a decoder of 24 layers (``--layers``),
-  unrolled or under ``jax.lax.scan`` (``reprules._transformer``): Pallas matmul,
+  unrolled or under ``jax.lax.scan`` (``reprules._demo.transformer``): Pallas matmul,
   layer norm and attention kernels, each under ``custom_vjp`` with Pallas fwd
   and bwd; heads and MLP on ``model``, batch on ``data``, a ``shard_map`` per
   sublayer. ``transformer_1sm`` / ``transformer_scan_1sm``: one ``shard_map``
   around all layers. Collectives inside the scan body are
   counted once per layer; the bytes are also checked against the formulas of
-  ``reprules._scale``. Their trace+lower takes seconds: ``--heavy-lower-repeats``
+  ``reprules._demo.scale``. Their trace+lower takes seconds: ``--heavy-lower-repeats``
   rounds, best of 1.
 
 and for each variant:
@@ -92,7 +92,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import reprules  # noqa: E402
-from reprules import _transformer as _model_helpers  # noqa: E402
+from reprules._demo import transformer as _model_helpers  # noqa: E402
 from reprules import rules  # noqa: E402
 
 VARIANTS = ("off", "reprules", "hand", "inference")
@@ -147,7 +147,7 @@ class Workload:
     hand_unavailable: Callable[[], str | None] = lambda: HAND_UNAVAILABLE
     heavy: bool = False  # trace+lower takes seconds: fewer rounds (--heavy-lower-repeats), best of 1
     repeat: Callable[[Any], int] | None = None  # times a collective runs per step (scan bodies: L)
-    expected: Any = None  # reprules._scale.Bytes: the formulas' figures, checked against the measured ones
+    expected: Any = None  # reprules._demo.scale.Bytes: the formulas' figures, checked against the measured ones
     reference: Callable[[], Any] | None = None  # the unsharded result of the step (gradients)
 
 
@@ -327,9 +327,9 @@ def layer_norm_workload(small: bool) -> Workload:
 
 def transformer_workload(small: bool, scan: bool = False, structure: str = "sublayer",
                          layers: int | None = None) -> Workload:
-    """``reprules._transformer``: L decoder layers (24; 2 with --small), heads and MLP on
+    """``reprules._demo.transformer``: L decoder layers (24; 2 with --small), heads and MLP on
     ``model``, batch on ``data``, every kernel under ``custom_vjp`` with Pallas fwd and bwd."""
-    from reprules import _transformer as model
+    from reprules._demo import transformer as model
 
     cfg = model.Config(layers=layers or (2 if small else 24), scan=scan, shard_map=structure)
     expected = model.expected_bytes(cfg, dict(zip(MESH_AXES, MESH_SHAPE)))
@@ -426,7 +426,7 @@ def collective_summary(report: Any, repeat: Callable[[Any], int] | None) -> dict
         "defensive_bytes": sum(c.bytes * times(c) for c in cs if c.defensive),
         "needed_bytes": sum(c.bytes * times(c) for c in cs if not c.defensive),
     }
-    # The program's own all-reduces (traced and lowered), what reprules._scale's formulas
+    # The program's own all-reduces (traced and lowered), what reprules._demo.scale's formulas
     # count; the rest are XLA's (e.g. JAX 0.6's SPMD partitioner resharding around a scan).
     program = [c for c in cs if "jaxpr" in c.levels and "stablehlo" in c.levels]
     executed["program"] = {
@@ -699,7 +699,7 @@ def targets_summary(results: dict[str, Any]) -> list[dict[str, Any]]:
                     r["collectives"]["off"]["program"]["defensive_bytes"], r["expected"]["needed"],
                     r["expected"]["off"], r["expected"]["flagged_defensive"])
                 for n, r in measured.items() if "expected" in r}
-    out.append({"target": "reprules._scale formulas = the program's measured bytes (needed, off total, off "
+    out.append({"target": "reprules._demo.scale formulas = the program's measured bytes (needed, off total, off "
                           "defensive; traced and lowered, before XLA adds any)",
                 "value": formulas, "met": all(v[:3] == v[3:] for v in formulas.values()) if formulas else None})
     ms = results["import"]["reprules_on_top_of_jax_s"]["median"] * 1e3
@@ -720,7 +720,7 @@ def print_report(results: dict[str, Any]) -> None:
         f"over {STACK_OFFSETS} stack depths")
     say("ratios: median [p25, p75] of the per-round ratios")
     say("\ncollectives per step (per-device bytes, any level; a scan body's collectives counted once per "
-        "layer; formula: reprules._scale's off total, off defensive and needed bytes)")
+        "layer; formula: reprules._demo.scale's off total, off defensive and needed bytes)")
     print(f"  {'workload':18}{'variant':10}{'count':>6}{'bytes':>10}{'defensive B':>13}{'needed B':>10}"
           f"{'minimum B':>11}")
     for name, r in results["workloads"].items():

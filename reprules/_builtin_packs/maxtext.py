@@ -28,7 +28,7 @@ over. JAX believes the annotation: under ``check_vma=True`` the weight gradient
 silently misses its psum. With the rule, reprules types the output by the union
 (a ``ReplicationWarning``) and the psum is added; the forward's replicated
 annotation is widened too, and MaxText's ``pcast(out, axis, to='varying')``
-right after the kernel is then an identity (see ``reprules/_shim/pcast.py``).
+right after the kernel is then an identity (see ``reprules/_shim/rules/pcast.py``).
 """
 
 from __future__ import annotations

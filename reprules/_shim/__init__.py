@@ -12,25 +12,35 @@ regime       JAX               mechanism
 
 The shim is *armed* once ``import reprules`` and JAX's Pallas are both
 imported (``REPRULES_DORMANT=1`` leaves it disarmed): its patches are installed
-then, so that a kernel JAX would refuse for want of a rule gets reprules'
-:class:`reprules.MissingRuleError` even before any rule exists. The patches
-change only calls with a rule and that refusal: a program JAX accepts traces,
+then, so that a kernel JAX would refuse for want of a rule gets a rule derived
+from its body, or reprules' :class:`reprules.MissingRuleError`, even before any
+rule exists. For code that calls no registered kernel the patches change only
+what the safety page lists: a rule where JAX would refuse, and a sound type
+where JAX's is provably too small (``sound_types``); everything else traces,
 lowers and computes exactly as with JAX alone. Disarmed, nothing is patched
 until the first rule is registered, and everything is restored when the last
 one is removed.
 
-The modules stand in layers, each importing only those below it
-(``tests/test_layering.py`` checks it):
+The shim is a folder per concern, in layers: a module imports only from its
+own folder, the folders below it and reprules' core (``tests/test_layering.py``
+checks it, and that no folder imports in a circle). Lowest first:
 
-1. ``_jax`` (the one module that imports ``jax._src``), ``_patches``, ``_frames``;
-2. ``_types`` (the varying axes of a value, per era), ``_kernels`` and
-   ``_bodies`` (which kernel an equation belongs to);
-3. ``_effects``, ``_analysis``, ``infer`` (rules derived from a kernel body);
-4. ``_rules`` (the rule behind an equation), ``_taint``, ``_union``;
-5. adapters: ``_pallas_hooks``, ``pallas_call``, ``_kernel_inference``, ``core_map``, ``primitives``,
-   ``strict``, ``_bwd_trace``, ``custom_vjp``, ``_verify``, ``_source``, ``pcast``,
-   ``opaque_types`` (sound types for rule-less opaque calls);
-6. eras: ``rep`` (with ``rep_gaps``, ``custom_vjp_rep``), ``vma``, ``mat``; then this façade.
+================  ==========================================================
+``plumbing``      JAX's internals behind one module (``_jax``), patch
+                  bookkeeping, frames and source lines, each era's types
+``kernels``       which kernel an equation belongs to (one lookup per bind)
+``inference``     a kernel body in, a rule or a refusal out
+``rules``         the rule behind an equation; annotations wider than it
+``safety``        ``verify()``'s run-time check, ``strict()``'s refusals
+``cotangents``    the psums a ``custom_vjp`` bwd of a kernel needs
+``sound_types``   rule-less opaque calls and control flow typed soundly
+``entry_points``  ``pallas_call``, ``pl.kernel``/``core_map``, primitives/FFI
+``eras``          ``rep``, ``vma``, ``mat``: each installs its adapters
+================  ==========================================================
+
+This façade, on top, chooses the era and owns activation, arming and the
+per-primitive hooks; the rest of reprules uses the shim through it (and
+``plumbing._jax``'s version facts).
 """
 
 from __future__ import annotations
@@ -43,17 +53,22 @@ import jax
 
 from reprules import _mode_state, _registry
 from reprules._errors import UnsupportedJaxError
-from reprules._shim import _bwd_trace, _jax, _rules, _source, infer, mat, opaque_types, rep, vma
-from reprules._shim._patches import Patches
-from reprules._shim._rules import classify as classify
-from reprules._shim._rules import identify as identify
-from reprules._shim._source import ADDED_SCOPE as ADDED_SCOPE
-from reprules._shim.infer import InferredRule as InferredRule
-from reprules._shim._verify import raise_if_mismatched as raise_if_mismatched
-from reprules._shim._verify import take_mismatches as take_mismatches
+from reprules._shim.plumbing import _jax, _source
+from reprules._shim.inference import infer
+from reprules._shim.rules import _resolve
+from reprules._shim.cotangents import _bwd_trace
+from reprules._shim.sound_types import opaque_types
+from reprules._shim.eras import mat, rep, vma
+from reprules._shim.plumbing._patches import Patches
+from reprules._shim.rules._resolve import classify as classify
+from reprules._shim.rules._resolve import identify as identify
+from reprules._shim.plumbing._source import ADDED_SCOPE as ADDED_SCOPE
+from reprules._shim.inference.infer import InferredRule as InferredRule
+from reprules._shim.safety._verify import raise_if_mismatched as raise_if_mismatched
+from reprules._shim.safety._verify import take_mismatches as take_mismatches
 
 JAX_VERSION = _jax.JAX_VERSION
-pl_kernel_name = _rules.kernel_name  # the body's name for a pl.kernel equation (reports)
+pl_kernel_name = _resolve.kernel_name  # the body's name for a pl.kernel equation (reports)
 derive_pallas_rule = infer.registration  # what inference derives for a pallas_call equation (audit)
 SUPPORTED = ((0, 4, 28), (0, 13))
 SUPPORTED_TEXT = ">=0.4.28,<0.13"
@@ -127,9 +142,9 @@ def attach(target: object) -> None:
         activate()
         kind = classify(target)
         if kind == "primitive":
-            op = _rules.primitive_opaque(target)
+            op = _resolve.primitive_opaque(target)
         elif kind == "triton":
-            op = _rules.triton_opaque()
+            op = _resolve.triton_opaque()
         else:
             return  # Pallas kernels and FFI targets use the hooks of activate()
         if op.prim in _attached or opaque_types.hooked(op.prim):

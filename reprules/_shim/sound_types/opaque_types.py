@@ -1,0 +1,212 @@
+"""Sound types for rule-less opaque calls (vma and mat eras).
+
+From JAX 0.6 a primitive's abstract eval *is* its replication rule. JAX's own
+primitives follow ``standard_vma_rule`` (outputs vary over the union of the
+inputs' axes), but an opaque call is typed by whoever wrote it: a user
+``Primitive`` whose abstract eval returns ``ShapedArray(shape, dtype)``,
+``ffi_call`` from 0.8.2 and ``jax.pure_callback`` (its
+result shapes, replicated whatever they say), jax-triton's ``triton_call``.
+Such an output is typed replicated while it differs per device:
+``out_specs=P()`` returns one device's block, and a gradient through it
+misses its psum, silently, where checking off is right.
+
+Where such a call has no rule and an output is typed with fewer axes than its
+inputs vary over, reprules types every output by the union of the inputs'
+axes (JAX's rule for its ordinary primitives, and what NVIDIA Warp chose,
+warp#1860), casts the inputs up to that union first (the casts' transposes
+psum the cotangents of replicated inputs, so gradients are exact), and warns
+once per call site. A rule, ``reprules.strict()`` (which refuses) and
+``REPRULES_SOUND_TYPES=0`` (which keeps JAX's typing) each leave it alone.
+
+"Opaque" is decided once per primitive object: JAX's FFI and callback
+primitives, and every primitive no ``jax`` module defines. JAX's own
+collectives and higher-order primitives type their outputs from what they
+compute and are never touched.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from reprules import _errors, _mode_state
+from reprules._shim.plumbing import _frames, _jax
+from reprules._shim.rules import _resolve
+from reprules._shim.plumbing._patches import Patches
+from reprules._shim.rules._resolve import Opaque
+from reprules._shim.plumbing._types import TypeField, call_axes, checking, hidden_axes, manual_axes
+
+_lock = threading.RLock()
+_seen: set[Any] = set()  # every primitive bound under checking since install: classified once
+_implicit: dict[Any, Patches] = {}  # rule-less opaque primitives hooked by this module
+_warned: set[tuple[str, str]] = set()  # (primitive, site): one warning per call site
+_jax_defined: set[int] = set()  # ids of the primitives some jax module defines (refreshed on a miss)
+_jax_bind: Callable[..., Any] | None = None  # JAX's Primitive.bind, while the class hook holds its place
+
+# JAX's own primitives whose outputs are typed by the caller's result shapes.
+_JAX_FFI = (
+    ("jax._src.ffi", "ffi_call_p"),  # 0.5+ (reprules hooks it at activation too)
+    ("jax._src.extend.ffi", "ffi_call_p"),  # 0.4.31 - 0.4.38
+)
+_JAX_CALLBACKS = (("jax._src.callback", "pure_callback_p"),)  # not io_callback: JAX's Pallas
+# TPU interpreter runs its simulation through it
+
+
+@functools.cache
+def _jax_callbacks() -> frozenset[Any]:
+    return _jax.primitives(_JAX_CALLBACKS)
+
+
+@functools.cache
+def _jax_opaque() -> frozenset[Any]:
+    return _jax.primitives(_JAX_FFI) | _jax_callbacks()
+
+
+def widening_on() -> bool:
+    """Sound types apply: not switched off, and strict mode (which refuses) is off."""
+    return _mode_state.sound_types() and not _mode_state.strict_on()
+
+
+def install(field: TypeField, patches: Patches, attach: Callable[[TypeField, Opaque, Patches], None]) -> None:
+    """Hooks ``Primitive.bind`` so that the first bind of each primitive under
+    checking classifies it; a rule-less opaque one gets ``attach``'s hooks
+    (the same as a registered primitive's, whose rule lookup then finds none)."""
+    global _jax_bind
+    original: Callable[..., Any] = _jax.core.Primitive.bind
+    _jax_bind = original
+
+    def bind(prim: Any, *args: Any, **params: Any) -> Any:
+        hooked: Any = prim.__dict__.get("bind")
+        if hooked is not None and getattr(hooked, "reprules_opaque_hook", False):
+            # reprules' per-primitive hook, reached through `prim.bind` looked up before it was
+            # installed (a bound method kept at import): its casts must not be skipped.
+            return hooked(*args, **params)
+        if prim in _seen or not checking() or _jax_kind(prim):
+            return original(prim, *args, **params)
+        with _lock:
+            _seen.add(prim)
+            hook = "bind" not in vars(prim) and _opaque(prim)  # an instance hook: attached already
+            if hook:
+                own = Patches()
+                attach(field, _describe(prim), own)
+                _implicit[prim] = own
+        return prim.bind(*args, **params) if hook else original(prim, *args, **params)
+
+    patches.setattr(_jax.core.Primitive, "bind", bind)
+    patches.on_undo(_forget_all)
+
+
+def jax_bind(prim: Any) -> Callable[..., Any]:
+    """What a per-primitive hook calls to bind ``prim``: its own ``bind`` where something
+    set one, else JAX's (never the class hook, which sends calls to the per-primitive hook)."""
+    if "bind" not in vars(prim) and _jax_bind is not None:
+        return functools.partial(_jax_bind, prim)
+    bind: Callable[..., Any] = prim.bind
+    return bind
+
+
+def hooked(prim: Any) -> bool:
+    """Whether this module already gave ``prim`` the per-primitive hooks."""
+    return prim in _implicit
+
+
+def forget(prim: Any) -> None:
+    """Classify ``prim`` again at its next bind (its registered hooks were removed)."""
+    with _lock:
+        _seen.discard(prim)
+
+
+def _forget_all() -> None:
+    global _jax_bind
+    with _lock:
+        _jax_bind = None
+        pending = list(_implicit.values())
+        _implicit.clear()
+        _seen.clear()
+    for patches in reversed(pending):
+        patches.undo_all()
+
+
+def _jax_kind(prim: Any) -> bool:
+    """A primitive of one of JAX's own subclasses (``ad.VJPNode``, made anew for each
+    ``jit`` under ``vjp``; hijax's): JAX's, never opaque, and not kept in ``_seen``."""
+    kind = type(prim)
+    return kind is not _jax.core.Primitive and kind.__module__.startswith("jax.")
+
+
+def _opaque(prim: Any) -> bool:
+    if prim in _jax_opaque():
+        return True
+    if id(prim) in _jax_defined:
+        return False
+    _jax_defined.update(_jax.defined_primitives())  # a jax module imported since: look again
+    return id(prim) not in _jax_defined
+
+
+def _describe(prim: Any) -> Opaque:
+    if prim in _jax_callbacks():  # jax.pure_callback
+        return Opaque(prim=prim, kind="JAX callback", lookup=lambda params: None,
+                      name=lambda params: prim.name, layout=lambda params, n: (0, None))
+    return _resolve.describe(prim)
+
+
+def widening(field: TypeField, in_avals: Sequence[Any], out_avals: Sequence[Any]) -> frozenset[str] | None:
+    """The union of the inputs' varying axes, where an output (with a shape) is
+    typed with fewer; None where JAX's types already hold them all."""
+    union = frozenset().union(*(field.varying(a) for a in in_avals))
+    if not union:
+        return None
+    short = any(hasattr(o, "shape") and union - field.varying(o) for o in out_avals)
+    return union if short else None
+
+
+def axes_here(field: TypeField, in_avals: Sequence[Any]) -> tuple[str, ...]:
+    """The manual axes of this call (those known, where code hid the mesh)."""
+    hidden = hidden_axes([field.varying(a) for a in in_avals])
+    return hidden.known if hidden is not None else manual_axes()
+
+
+def retype(field: TypeField, in_avals: Sequence[Any], out_avals: Sequence[Any]) -> list[Any]:
+    """Each output typed varying over the union of its axes and the inputs'."""
+    union = widening(field, in_avals, out_avals)
+    if union is None:
+        return list(out_avals)
+    with call_axes(axes_here(field, in_avals), in_avals):
+        return [field.retype(o, field.varying(o) | union) if hasattr(o, "shape") else o for o in out_avals]
+
+
+def warn(op: Opaque, params: dict[str, Any], union: frozenset[str], out_avals: Sequence[Any],
+         field: TypeField) -> None:
+    """One :class:`reprules.ReplicationWarning` per primitive and call site."""
+    name = op.name(params)
+    user = _frames.user_frame()
+    key = (name, f"{user.f_code.co_filename}:{user.f_lineno}" if user is not None else "")
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    site = _frames.annotation_site(depth=2)
+    short = sorted({a for o in out_avals if hasattr(o, "shape") for a in union - field.varying(o)})
+    message = _errors.sound_type_message(
+        op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=_rule_target(op, name))
+    if user is None:
+        warnings.warn(message, _errors.ReplicationWarning, stacklevel=3)
+    else:  # attributed to the user's line, as warnings filters and pytest report it
+        warnings.warn_explicit(message, _errors.ReplicationWarning, user.f_code.co_filename, user.f_lineno,
+                               module=str(user.f_globals.get("__name__")),
+                               registry=user.f_globals.setdefault("__warningregistry__", {}))
+
+
+def _rule_target(op: Opaque, name: str) -> str:
+    """What a rule for this call is registered on, as the user writes it."""
+    if op.kind == "FFI target":
+        return f"reprules.ffi_target({name!r})"
+    if op.kind == "Triton kernel":
+        return name  # registered on the @triton.jit function itself
+    if op.kind == "JAX callback":
+        return ""  # nothing to register a rule on
+    return f"<the {name!r} primitive>"
+
