@@ -216,3 +216,10 @@ def test_ci_code_uses_only_public_api():
 def test_the_workloads_import_the_transformer_not_the_reverse():
     assert "reprules._demo.transformer" in MODULES["reprules._demo.workloads"]
     assert "reprules._demo.workloads" not in MODULES["reprules._demo.transformer"]
+
+
+def test_the_compatibility_page_shows_the_folders_in_their_order():
+    """The docs' table of the shim's folders is the one this test enforces."""
+    page = (ROOT / ".docs/pages/jax-compatibility.md").read_text()
+    section = page.split("## How the shim is built")[1].split("\n## ")[0]
+    assert re.findall(r"^\| `(\w+)` \|", section, re.M) == SHIM_FOLDERS
