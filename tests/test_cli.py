@@ -156,7 +156,7 @@ def test_default_audit_side_by_side(capsys):
     assert re.search(r"\n +defensive +1 \(1024 B\) +0 \(0 B\)\n", issue)
     assert re.search(r"\n +kernels with rules +0/1 +1/1\n", issue)
     assert re.search(r"kernels, reprules \(checking on\):\n +kernel +primitive +calls +rule +covered by +source\n"
-                     r" +copy_kernel +pallas_call +\d+ +rules.same\(\) +identity +_workloads.py:\d+\n", issue)
+                     r" +copy_kernel +pallas_call +\d+ +rules.same\(\) +identity +workloads.py:\d+\n", issue)
     assert re.search(r"collectives, checking off:\n.*\n +1 +all-reduce +model +f32\[2,128\] +1024 +defensive \(model\)",
                      issue)
     assert "collectives, reprules (checking on): none" in issue

@@ -16,7 +16,8 @@ import pytest
 
 import reprules
 from helpers import make_mesh
-from reprules._demo import scale, _transformer, rules
+from reprules import rules
+from reprules._demo import scale, transformer
 
 SMALL = transformer.Config(layers=2, d_model=32, heads=2, ffn=64, seq=8, batch=4)
 MESH = {"data": 4, "model": 2}
