@@ -2,7 +2,7 @@
 
 import sys
 
-from reprules._cli import main
+from reprules._audit._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

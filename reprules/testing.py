@@ -39,13 +39,13 @@ from typing import Any, Union
 from reprules import _cpu_kernels as cpu_kernels
 from reprules import _environment
 from reprules._errors import ReprulesError
-from reprules._comm import CheaperCollective as CheaperCollective
-from reprules._comm import ImplicitCollective as ImplicitCollective
-from reprules._hlo import KINDS as KINDS
-from reprules._report import LEVELS as LEVELS
-from reprules._report import Collective as Collective
-from reprules._report import Kernel as Kernel
-from reprules._report import Report as Report
+from reprules._report._comm import CheaperCollective as CheaperCollective
+from reprules._report._comm import ImplicitCollective as ImplicitCollective
+from reprules._report._hlo import KINDS as KINDS
+from reprules._report._records import LEVELS as LEVELS
+from reprules._report._records import Collective as Collective
+from reprules._report._records import Kernel as Kernel
+from reprules._report._records import Report as Report
 
 __all__ = [
     "KINDS",
@@ -100,7 +100,7 @@ def collectives(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: 
       ``.count(kind, axes=..., level=..., defensive=...)`` and ``.bytes(...)``
       to assert on.
     """
-    from reprules import _collectives  # lazy: imports JAX
+    from reprules._report import _collectives  # lazy: imports JAX
 
     return _collectives.collectives(fn, *args, mesh=mesh, **kwargs)
 

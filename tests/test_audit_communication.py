@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from reprules import _audit_html, _cli
+from reprules._audit import _cli, _html
 
 TARGET = '''
 import jax, numpy as np
@@ -95,7 +95,7 @@ def test_json_and_html(comm_target, capsys, tmp_path):
     assert "Implicit collectives (inserted by XLA around opaque kernels)" in html
     assert "Collectives with a cheaper equivalent (compiled cpu HLO)" in html
     assert "psum_scatter" in html and "could be saved</th>" in html and "est. time (100 GB/s)" in html
-    assert html == _audit_html.render(doc)
+    assert html == _html.render(doc)
 
 
 def test_an_unknown_link_is_a_usage_error(comm_target, capsys):

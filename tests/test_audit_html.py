@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from reprules import _audit_html, _cli
+from reprules._audit import _cli, _html
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 SCREENSHOT = pathlib.Path(__file__).parent.parent / "examples" / "audit_report.png"
@@ -187,7 +187,7 @@ def audited(tmp_path_factory):
 def test_the_page_is_self_contained(audited):
     doc, page = audited
     text = page.read_text()
-    assert text == _audit_html.render(doc)  # the page is the JSON document, rendered
+    assert text == _html.render(doc)  # the page is the JSON document, rendered
     assert len(text) < 200_000
     for needle in ("<script", "<link", "<img", "<iframe", "@import", "url(", "src=", "http:", "https:"):
         assert needle not in text.lower(), needle

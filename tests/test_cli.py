@@ -12,7 +12,7 @@ import pytest
 from helpers import BWD_STEPS, NEW_SHARD_MAP
 
 import reprules
-from reprules import _audit_text, _cli
+from reprules._audit import _cli, _text
 
 TARGET = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np
@@ -135,7 +135,7 @@ def target(tmp_path, monkeypatch):
 
 
 def _lines_fit(text):
-    long = [line for line in text.splitlines() if len(line) > _audit_text.WIDTH]
+    long = [line for line in text.splitlines() if len(line) > _text.WIDTH]
     assert not long, long
 
 
@@ -447,7 +447,7 @@ def test_version(capsys):
 
 
 def test_version_from_the_console_imports_no_jax():
-    code = ("import sys; from reprules._cli import main\n"
+    code = ("import sys; from reprules._audit._cli import main\n"
             "try:\n    main(['--version'])\nexcept SystemExit as e:\n    print(e.code, 'jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "0 False"
@@ -484,10 +484,10 @@ def test_too_few_started_devices_is_an_environment_error(capsys):
 
 
 def test_text_helpers_fit_the_width():
-    assert _audit_text.clip("x" * 120) == "x" * 97 + "..."
-    assert _audit_text.clip_left("/very/long/path/" * 10 + "file.py:3", 30).endswith("file.py:3")
+    assert _text.clip("x" * 120) == "x" * 97 + "..."
+    assert _text.clip_left("/very/long/path/" * 10 + "file.py:3", 30).endswith("file.py:3")
     rows = [("a" * 60, "b" * 60, "c")] * 2
-    assert all(len(line) <= 100 for line in _audit_text.table(rows, "   "))
+    assert all(len(line) <= 100 for line in _text.table(rows, "   "))
 
 
 

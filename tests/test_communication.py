@@ -16,7 +16,8 @@ from helpers import make_mesh, max_err, put, randn, shard_map
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
-from reprules import _hlo_graph, _link_model, testing
+from reprules import testing
+from reprules._report import _hlo_graph, _link_model
 from reprules._demo import workloads
 from reprules.testing import cpu_kernels
 

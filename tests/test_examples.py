@@ -76,7 +76,7 @@ def test_every_example_with_a_training_step_is_an_audit_target():
 def test_reprules_audit_of_the_example(script, capsys):
     """Issue 36: `reprules audit examples/01_issue21855.py` works; checking off pays a defensive
     all-reduce, reprules none, with the same gradients."""
-    from reprules import _cli
+    from reprules._audit import _cli
 
     if script == "04_equinox.py":
         eqx = pytest.importorskip("equinox", exc_type=Exception)

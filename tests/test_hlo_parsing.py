@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from reprules import _hlo
+from reprules._report import _hlo
 
 DATA = pathlib.Path(__file__).parent / "data"
 MESH = {"data": 4, "model": 2}

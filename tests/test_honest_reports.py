@@ -16,7 +16,8 @@ from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from reprules import _cli, testing
+from reprules import testing
+from reprules._audit import _cli
 
 
 # --- (a) the collectives report and `reprules audit` ---------------------------

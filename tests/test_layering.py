@@ -221,5 +221,27 @@ def test_the_workloads_import_the_transformer_not_the_reverse():
 def test_the_compatibility_page_shows_the_folders_in_their_order():
     """The docs' table of the shim's folders is the one this test enforces."""
     page = (ROOT / ".docs/pages/jax-compatibility.md").read_text()
-    section = page.split("## How the shim is built")[1].split("\n## ")[0]
-    assert re.findall(r"^\| `(\w+)` \|", section, re.M) == SHIM_FOLDERS
+    section = page.split("## How reprules is laid out")[1].split("\n## ")[0]
+    shim_table, top_table = section.split("\n\n| folder |")[1:3]
+    assert re.findall(r"^\| `(\w+)` \|", shim_table, re.M) == SHIM_FOLDERS
+    assert set(re.findall(r"^\| `(\w+)` \|", top_table, re.M)) <= set(TOP_FOLDERS)
+
+
+TOP_FOLDERS = ["_shim", "_report", "_audit", "_demo", "_builtin_packs", "_cpu_kernels"]
+
+
+def test_each_folder_of_the_package_says_what_it_owns():
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(TOP_FOLDERS)
+    for folder in TOP_FOLDERS:
+        assert ast.get_docstring(TREES[f"reprules.{folder}"]), f"reprules/{folder}/__init__.py: say what it owns"
+
+
+def test_the_report_and_the_audit_stand_in_that_order():
+    """The audit renders reports; the report never imports the audit, and the shim neither."""
+    for module in MODULES:
+        deps = MODULES[module]
+        if module.startswith(("reprules._report", FACADE)):
+            assert not any(d.startswith("reprules._audit") for d in deps), f"{module} imports the audit"
+        if module.startswith(FACADE):
+            assert not any(d.startswith("reprules._report") for d in deps), f"{module} imports the report"

@@ -4,12 +4,12 @@ With no target, audits the bundled workloads on 8 fake CPU devices, side by
 side with checking off vs with reprules. With ``module:callable``, audits the
 user's step (or ``path/to/file.py[:callable]``; the callable defaults to ``audit_step``),
 also side by side when the callable takes ``check`` (protocol in
-:mod:`reprules._audit_target`). Progress goes to stderr, results to stdout
+:mod:`reprules._audit._target`). Progress goes to stderr, results to stdout
 (``--json`` for machines, :data:`SCHEMA_VERSION`); ``--html FILE`` also writes
-the report as one self-contained page (:mod:`reprules._audit_html`);
+the report as one self-contained page (:mod:`reprules._audit._html`);
 ``--infer`` runs the reprules side under ``reprules.inference()``. Each kernel
 says how it is covered (identity, name, inference or none) and, without a
-rule, whether inference would cover it (:mod:`reprules._audit_coverage`).
+rule, whether inference would cover it (:mod:`reprules._audit._coverage`).
 ``--strict`` exits 1 when a defensive collective, an opaque kernel without a
 rule, or a ``kernel_named`` rule that matched nothing is found on the reprules
 side. Errors are one paragraph (what, why, fix) without a traceback; the exit
@@ -31,9 +31,11 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 import reprules
-from reprules import _audit_comm, _audit_html, _audit_text, _environment, _link_model, _mode_state, _registry
+from reprules import _environment, _mode_state, _registry
+from reprules._audit import _communication, _html, _text
+from reprules._report import _link_model
 from reprules._demo import workloads
-from reprules import _audit_target as protocol
+from reprules._audit import _target as protocol
 from reprules._errors import UnsupportedJaxError
 
 DEFAULT_DEVICES = 8
@@ -129,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--strict", action="store_true",
                        help="exit 1 on defensive collectives, kernels without a rule, or kernel_named "
                             "rules that matched nothing")
-    _audit_comm.add_arguments(audit)
+    _communication.add_arguments(audit)
     audit.add_argument("--devices", type=int, default=DEFAULT_DEVICES,
                        help=f"fake CPU devices to provide (default {DEFAULT_DEVICES})")
     audit.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -175,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _link(text: str | None) -> _link_model.Link | None:
     """The ``--link`` interconnect, or None for the backend's default."""
     try:
-        return _audit_comm.link_arg(text)
+        return _communication.link_arg(text)
     except ValueError as err:
         raise _Failure(f"--link: {err}.\nWhy: it names the interconnect of the time estimates.\n"
                        "Fix: e.g. --link nvlink, or --link 100 for 100 GB/s per device.", EXIT_USAGE) from None
@@ -253,16 +255,17 @@ def _max_error(got: Any, expected: Any) -> float:
 def _variant(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], reference: Any) -> dict[str, Any]:
     import jax
 
-    from reprules import _audit_coverage, testing  # lazy: imports JAX
+    from reprules import testing  # lazy: imports JAX
+    from reprules._audit import _coverage
 
     report = testing.collectives(step, *args, **kwargs)
-    coverage = _audit_coverage.of_step(step, args, kwargs)  # same registry state and mode as the report
+    coverage = _coverage.of_step(step, args, kwargs)  # same registry state and mode as the report
     error = None
     if reference is not None:
         out = jax.jit(lambda *a: step(*a, **kwargs))(*args)
         error = _max_error(out, reference)
     return {"report": report, "max_error": error, "inference": _mode_state.inference_mode(),
-            "coverage": tuple(_audit_coverage.lookup(coverage, k) for k in report.kernels)}
+            "coverage": tuple(_coverage.lookup(coverage, k) for k in report.kernels)}
 
 
 def _kernel_dict(kernel: Any, coverage: Any) -> dict[str, Any]:
@@ -285,7 +288,7 @@ def _summary(v: dict[str, Any]) -> dict[str, Any]:
         "kernels_with_rules": sum(1 for k in report.kernels if k.has_rule),
         "kernels_total": len(report.kernels),
         "max_error": v["max_error"],
-        **_audit_comm.summary(report),  # implicit and cheaper collectives, time estimates (schema 3)
+        **_communication.summary(report),  # implicit and cheaper collectives, time estimates (schema 3)
     }
 
 
@@ -312,7 +315,7 @@ def _strict_findings(entries: list[dict[str, Any]], unmatched: list[dict[str, st
             rep = v["report"]
             found += [f"{e['name']}: {c.describe()}" for c in rep.defensive]
             found += [f"{e['name']}: kernel {k.name} {_no_rule_text(k)}" for k in rep.kernels_without_rule]
-    found += [f"kernel_named({u['name']!r}) matched no kernel ({_audit_text.short_source(u['source'])})"
+    found += [f"kernel_named({u['name']!r}) matched no kernel ({_text.short_source(u['source'])})"
               for u in unmatched if not u["source"].startswith("pack ")]
     return found
 
@@ -346,11 +349,11 @@ def _document(support: dict[str, str], devices: int, target: str | None, mesh: d
 
 def _finish(args: argparse.Namespace, text: str, doc: dict[str, Any], failed: bool,
             findings: list[str], progress: _Progress) -> int:
-    doc["communication_findings"] = _audit_comm.findings(doc)
+    doc["communication_findings"] = _communication.findings(doc)
     if args.html is not None:
         try:
             with open(args.html, "w", encoding="utf-8") as page:
-                page.write(_audit_html.render(doc))
+                page.write(_html.render(doc))
         except OSError as err:
             raise _Failure(f"Cannot write the HTML report to {args.html!r}: {err}.\n"
                            "Why: --html writes the whole report to that file.\n"
@@ -365,12 +368,12 @@ def _finish(args: argparse.Namespace, text: str, doc: dict[str, Any], failed: bo
         print(f"reprules audit --strict-communication: {len(found)} finding{'s' if len(found) > 1 else ''}:",
               file=sys.stderr)
         for f in found:
-            print(f"  {_audit_text.clip(f, _audit_text.WIDTH - 2)}", file=sys.stderr)
+            print(f"  {_text.clip(f, _text.WIDTH - 2)}", file=sys.stderr)
     if args.strict and findings:
         print(f"reprules audit --strict: {len(findings)} finding{'s' if len(findings) > 1 else ''}:",
               file=sys.stderr)
         for f in findings:
-            print(f"  {_audit_text.clip(f, _audit_text.WIDTH - 2)}", file=sys.stderr)
+            print(f"  {_text.clip(f, _text.WIDTH - 2)}", file=sys.stderr)
         return EXIT_FINDINGS
     return EXIT_FINDINGS if communication else EXIT_OK
 
@@ -434,9 +437,9 @@ def _audit_default(args: argparse.Namespace, progress: _Progress) -> int:
     devices = jax.device_count()
     doc = _document(support, devices, None, dict(zip(workloads.MESH_AXES, workloads.MESH_SHAPE)),
                     results, findings, args.infer, unmatched)
-    text = "" if args.json else _audit_text.render(
+    text = "" if args.json else _text.render(
         _header(support, devices, "the bundled workloads", args.infer, doc["inference"]), results,
-        notes=_audit_text.unmatched_notes(unmatched))
+        notes=_text.unmatched_notes(unmatched))
     return _finish(args, text, doc, failed, findings, progress)
 
 
@@ -457,7 +460,7 @@ def _audit_target(args: argparse.Namespace, progress: _Progress) -> int:
     entry: dict[str, Any] = {"name": factory.name, "title": args.target}
     failed = False
     for i, (key, check) in enumerate(variants):
-        progress(("; " if i else "") + f"{_audit_text.LABELS[key]} ... ", end="")
+        progress(("; " if i else "") + f"{_text.LABELS[key]} ... ", end="")
         start = time.perf_counter()
         try:
             target = protocol.build(factory, check)
@@ -481,7 +484,7 @@ def _audit_target(args: argparse.Namespace, progress: _Progress) -> int:
             raise
         except Exception as err:
             failed = True
-            entry["error"] = f"{_audit_text.LABELS[key]}: {type(err).__name__}: {err}"
+            entry["error"] = f"{_text.LABELS[key]}: {type(err).__name__}: {err}"
             progress(f"FAILED ({type(err).__name__})", end="")
             break
     progress("")
@@ -492,14 +495,14 @@ def _audit_target(args: argparse.Namespace, progress: _Progress) -> int:
     doc = _document(support, devices, args.target, None, [entry], findings, args.infer, unmatched)
     text = ""
     if not args.json:
-        notes = _audit_text.unmatched_notes(unmatched)
+        notes = _text.unmatched_notes(unmatched)
         if not factory.takes_check:
             notes.append(f"note: {args.target} takes no `check` argument, so its step was audited as "
                          "given. To compare checking off with reprules, let it take one "
                          f"(`def {factory.name.rsplit('.', 1)[-1]}(check=True)`) and pass it to "
                          "shard_map (check_vma, or check_rep on JAX <= 0.5).")
         last = entry.get("on") or entry.get("given") or entry.get("off")  # "off" when "on" failed
-        text = _audit_text.render(_header(support, devices, args.target, args.infer, doc["inference"]), [entry], notes,
+        text = _text.render(_header(support, devices, args.target, args.infer, doc["inference"]), [entry], notes,
                                   fixes=last["report"] if last else None)
     if failed:  # the report (text or JSON) has the whole message
         print(f"reprules audit: error: {args.target}: the step failed, {entry['error'].split(chr(10))[0]}",

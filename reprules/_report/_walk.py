@@ -32,7 +32,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from reprules._report import Kernel
+from reprules._report._records import Kernel
 from reprules._shim import ADDED_SCOPE, identify, pl_kernel_name
 
 _KIND_OF_PRIMITIVE = {
@@ -61,7 +61,7 @@ _CASTS = ("pvary", "pbroadcast", "pcast")  # type casts: the data stays what it 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _JaxprCollective:
-    """One collective equation, before :mod:`reprules._levels` matches it with the lowered text."""
+    """One collective equation, before :mod:`reprules._report._levels` matches it with the lowered text."""
 
     kind: str
     primitive: str

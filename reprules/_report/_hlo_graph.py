@@ -1,6 +1,6 @@
 """Compiled HLO text as a graph: computations, instructions, their operands and users.
 
-Pure text parsing (no JAX import), like :mod:`reprules._hlo`, which finds the
+Pure text parsing (no JAX import), like :mod:`reprules._report._hlo`, which finds the
 collectives; this module adds what the communication findings need: who uses a
 collective's result (:meth:`Graph.users`), through which instructions a value
 flows into a custom call, and the value of a small integer expression on each
@@ -20,7 +20,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping
 
-from reprules import _hlo
+from reprules._report import _hlo
 
 _COMP = re.compile(r"^\s*(ENTRY\s+)?%(?P<name>[\w.\-$]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%(?P<name>[\w.\-$]+)\s*=\s*")
@@ -41,7 +41,7 @@ class Instr:
       operands: Operand names, in order.
       args: The text between the opcode's parentheses (a constant's value).
       attrs: The text after them (``calls=``, ``dynamic_slice_sizes=``...).
-      line: The whole line, stripped (as :mod:`reprules._hlo` records it).
+      line: The whole line, stripped (as :mod:`reprules._report._hlo` records it).
     """
 
     name: str

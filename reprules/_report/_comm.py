@@ -5,15 +5,15 @@
   ``triton_call``, a user primitive) called outside ``shard_map`` on sharded
   operands. It cannot look into the custom call, so it gathers the operands
   and runs the whole kernel on every device. Found in the compiled HLO
-  (:mod:`reprules._implicit`), or *predicted* from the jaxpr where the backend
+  (:mod:`reprules._report._implicit`), or *predicted* from the jaxpr where the backend
   at hand hides it (Pallas interpret mode on CPU lowers to ordinary HLO).
 * :class:`CheaperCollective`: a collective that survives compilation on the
-  backend at hand and has a cheaper equivalent (:mod:`reprules._cheaper`).
+  backend at hand and has a cheaper equivalent (:mod:`reprules._report._cheaper`).
 
 Bytes are the report's (per device: the unsharded buffer); ``bytes_after``
 scales them by the link model's ratio of bytes sent (a ring reduce-scatter
 sends half of what a ring all-reduce sends), and ``seconds`` are the link
-model's estimates (:mod:`reprules._link_model`).
+model's estimates (:mod:`reprules._report._link_model`).
 """
 
 from __future__ import annotations

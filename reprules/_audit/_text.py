@@ -13,11 +13,11 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from reprules import _audit_comm
-from reprules._report import ADDED_MEANING, ADDED_TEXT, Report
+from reprules._audit import _communication
+from reprules._report._records import ADDED_MEANING, ADDED_TEXT, Report
 
 if TYPE_CHECKING:
-    from reprules._audit_coverage import Coverage
+    from reprules._audit._coverage import Coverage
 
 WIDTH = 100
 LABELS = {"off": "checking off", "on": "reprules (checking on)", "given": "as given"}
@@ -103,7 +103,7 @@ def _kernel_rows(report: Report, coverage: Sequence[Coverage]) -> list[tuple[str
 
 def _inference_lines(report: Report, coverage: Sequence[Coverage]) -> list[str]:
     """For each kernel without a rule: whether inference would cover it, or why not."""
-    from reprules._audit_coverage import describe  # lazy: imports JAX
+    from reprules._audit._coverage import describe  # lazy: imports JAX
 
     lines: list[str] = []
     for k, c in zip(report.kernels, coverage):
@@ -137,7 +137,7 @@ def render_workload(entry: Mapping[str, Any]) -> list[str]:
         ("  needed", *(_count(reports[k], False) for k in keys)),
         *([("  dead (not counted)", *(_count(reports[k], dead=True) for k in keys))]
           if any(reports[k].dead_collectives for k in keys) else []),
-        *_audit_comm.summary_rows(reports, keys),  # could be saved (cheaper), implicit, est. time
+        *_communication.summary_rows(reports, keys),  # could be saved (cheaper), implicit, est. time
         ("kernels with rules", *(_kernels(reports[k]) for k in keys)),
         ("max error vs reference", *(_error(entry[k]["max_error"]) for k in keys)),
     ]
@@ -171,11 +171,11 @@ def _communication_sections(reports: Mapping[str, Report], keys: Sequence[str]) 
         lines.append(f"   implicit collectives (XLA, around opaque kernels), {LABELS[k]}:"
                      + ("" if r.implicit else " none"))
         if r.implicit:
-            lines += table(_audit_comm.implicit_rows(r), "     ", right=(3,))
+            lines += table(_communication.implicit_rows(r), "     ", right=(3,))
         lines.append(f"   cheaper equivalents (compiled {backend} HLO), {LABELS[k]}:" + ("" if r.cheaper else " none"))
         if r.cheaper:
-            lines += table(_audit_comm.cheaper_rows(r), "     ", right=(2, 3))
-        for fix in _audit_comm.fixes(r):
+            lines += table(_communication.cheaper_rows(r), "     ", right=(2, 3))
+        for fix in _communication.fixes(r):
             lines += wrap(f"fix: {fix}", "     ")
     return lines
 
@@ -210,7 +210,7 @@ def legend(entries: Sequence[Mapping[str, Any]]) -> list[str]:
                      "all-reduce of a gradient nothing uses), so it never runs; not counted in the totals")
     if any(c.folded for c in shown):
         items.append("levels JS.: folded away by XLA in compiled HLO; counted, as the program has it")
-    items += _audit_comm.legend_items(reports)
+    items += _communication.legend_items(reports)
     if not reports:
         return []
     return ["", "legend:"] + [line for item in items for line in wrap(item, "  ")]

@@ -1,9 +1,9 @@
 """The collectives report's records and their rendering: :class:`Kernel`, :class:`Collective`, :class:`Report`.
 
 What :func:`reprules.testing.collectives` returns. Built by
-:mod:`reprules._levels` from the jaxpr walk (:mod:`reprules._walk`) and the
-StableHLO/HLO text (:mod:`reprules._hlo`); how a collective is judged
-defensive is documented in :mod:`reprules._walk`.
+:mod:`reprules._report._levels` from the jaxpr walk (:mod:`reprules._report._walk`) and the
+StableHLO/HLO text (:mod:`reprules._report._hlo`); how a collective is judged
+defensive is documented in :mod:`reprules._report._walk`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from reprules import _hlo, _link_model
-from reprules._comm import CheaperCollective, ImplicitCollective, table_lines
+from reprules._report import _hlo, _link_model
+from reprules._report._comm import CheaperCollective, ImplicitCollective, table_lines
 
 LEVELS = ("jaxpr", "stablehlo", "hlo")
 ADDED_TEXT = "added by reprules"
@@ -255,7 +255,7 @@ class Report:
     link: _link_model.Link | None = None
 
     def seconds(self, c: Collective | None = None) -> float:
-        """Estimated time per step (link model, :mod:`reprules._link_model`) of ``c``, or of every
+        """Estimated time per step (link model, :mod:`reprules._report._link_model`) of ``c``, or of every
         live collective when ``c`` is None."""
         link = self.link or _link_model.current(self.backend or "cpu")
         if c is None:

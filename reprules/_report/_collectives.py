@@ -1,8 +1,8 @@
 """The collectives report of one function: trace, lower, compile, then merge the three levels.
 
-One module per job: :mod:`reprules._walk` walks the jaxpr (and decides what is
-defensive), :mod:`reprules._hlo` parses the StableHLO and HLO text,
-:mod:`reprules._levels` matches the three, :mod:`reprules._report` holds the
+One module per job: :mod:`reprules._report._walk` walks the jaxpr (and decides what is
+defensive), :mod:`reprules._report._hlo` parses the StableHLO and HLO text,
+:mod:`reprules._report._levels` matches the three, :mod:`reprules._report._records` holds the
 records and renders them. :func:`reprules.testing.collectives` is the public
 entry point.
 """
@@ -14,10 +14,10 @@ from typing import Any
 
 import dataclasses
 
-from reprules import _cheaper, _hlo, _hlo_graph, _implicit, _link_model
-from reprules._levels import build_report
-from reprules._report import Report
-from reprules._walk import walk_jaxpr
+from reprules._report import _cheaper, _hlo, _hlo_graph, _implicit, _link_model
+from reprules._report._levels import build_report
+from reprules._report._records import Report
+from reprules._report._walk import walk_jaxpr
 
 
 def _function_name(fn: Callable[..., Any]) -> str:

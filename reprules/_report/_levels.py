@@ -7,9 +7,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from reprules import _hlo
-from reprules._report import LEVELS, Collective, Kernel, Report
-from reprules._walk import Walk, added_by
+from reprules._report import _hlo
+from reprules._report._records import LEVELS, Collective, Kernel, Report
+from reprules._report._walk import Walk, added_by
 
 
 def _text_axes(tc: _hlo.TextCollective, mesh: Mapping[str, int]) -> tuple[str, ...] | None:

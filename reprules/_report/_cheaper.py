@@ -9,12 +9,12 @@ Three patterns, each judged where it runs:
 * ``own-shard``: an all-gather whose every use keeps the device's own shard,
   along the gathered dimension: the shard itself, no collective.
 * ``replicated-sum``: an all-reduce (``psum``) whose operand's *data* is
-  identical over the summed axes (the data analysis of :mod:`reprules._walk`:
+  identical over the summed axes (the data analysis of :mod:`reprules._report._walk`:
   casts do not count, an opaque kernel's outputs vary over every axis): a
   multiplication by the axes' size.
 
 The first two are read from the compiled HLO: the slice offsets are evaluated
-for every device (:func:`reprules._hlo_graph.evaluate`), and a pattern is
+for every device (:func:`reprules._report._hlo_graph.evaluate`), and a pattern is
 reported only when they are known and match on all of them. The third comes
 from the jaxpr, and counts only when the all-reduce is still in the compiled
 HLO. So what XLA already rewrote on the backend at hand (a GPU compile turns
@@ -29,9 +29,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from reprules import _hlo, _hlo_graph, _link_model
-from reprules._comm import CheaperCollective
-from reprules._report import Collective
+from reprules._report import _hlo, _hlo_graph, _link_model
+from reprules._report._comm import CheaperCollective
+from reprules._report._records import Collective
 
 _ASYNC_DONE = ("all-reduce-done", "all-gather-done")
 

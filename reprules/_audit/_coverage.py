@@ -8,7 +8,7 @@ audit also says whether inference would derive one, or why it refuses (the
 first equation of the body that is not provably local, with its source line).
 
 The step is traced once more (``jax.make_jaxpr``) in the same registry state
-and mode as its report, and its kernels are found as :mod:`reprules._walk`
+and mode as its report, and its kernels are found as :mod:`reprules._report._walk`
 finds them (inside ``shard_map`` only), keyed like the report's kernels.
 """
 
@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from reprules import _walk
+from reprules._report import _walk
 from reprules._registry import KernelName, Registration
 from reprules._shim import InferredRule, derive_pallas_rule
 
@@ -98,7 +98,7 @@ def _visit(jaxpr: Any, in_shard_map: bool, found: dict[Key, Coverage]) -> None:
 
 
 def lookup(coverage: Mapping[Key, Coverage], kernel: Any) -> Coverage:
-    """The coverage of a report's :class:`~reprules._report.Kernel`; from its record
+    """The coverage of a report's :class:`~reprules._report._records.Kernel`; from its record
     alone when the second trace did not see it."""
     got = coverage.get((kernel.name, kernel.primitive, kernel.source, kernel.has_rule))
     if got is not None:

@@ -1,10 +1,10 @@
 """The communication sections of ``reprules audit``: implicit collectives, cheaper equivalents, time.
 
 Per variant (checking off, reprules, as given): the collectives XLA's
-partitioner inserted around opaque kernels (:mod:`reprules._implicit`), the
-collectives with a cheaper equivalent (:mod:`reprules._cheaper`) and the bytes
+partitioner inserted around opaque kernels (:mod:`reprules._report._implicit`), the
+collectives with a cheaper equivalent (:mod:`reprules._report._cheaper`) and the bytes
 per step their rewrites would save, beside the defensive bytes, and the link
-model's time estimates (:mod:`reprules._link_model`). The text and HTML
+model's time estimates (:mod:`reprules._report._link_model`). The text and HTML
 renderers format the rows given here; ``--json`` gets :func:`summary`'s fields.
 ``--strict-communication`` fails on :func:`findings` (the reprules side, or
 the step as given); ``--strict`` keeps its meaning.
@@ -16,9 +16,9 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from reprules import _link_model
-from reprules._comm import PATTERNS, short
-from reprules._report import Report
+from reprules._report import _link_model
+from reprules._report._comm import PATTERNS, short
+from reprules._report._records import Report
 
 
 def add_arguments(audit: argparse.ArgumentParser) -> None:

@@ -29,10 +29,10 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from reprules import _hlo, _hlo_graph, _link_model
-from reprules._comm import ImplicitCollective
-from reprules._report import Collective
-from reprules._walk import OPAQUE, kernel_info, user_source
+from reprules._report import _hlo, _hlo_graph, _link_model
+from reprules._report._comm import ImplicitCollective
+from reprules._report._records import Collective
+from reprules._report._walk import OPAQUE, kernel_info, user_source
 
 # JAX's own primitives that lower to custom calls but are no kernel.
 _INTERNAL = frozenset({
