@@ -429,7 +429,7 @@ def test_internal_error_is_one_paragraph_unless_traceback_is_asked(target, monke
     def broken(*args, **kwargs):
         raise KeyError("oops")
 
-    monkeypatch.setattr(_audit_text, "render", broken)
+    monkeypatch.setattr(_text, "render", broken)
     assert _cli.main(["audit", f"{target}:data_parallel", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert re.fullmatch(r"reprules audit: internal error: KeyError: 'oops'\nWhy: [^\n]*\n"

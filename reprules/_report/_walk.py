@@ -228,7 +228,8 @@ def _user_source(source_info: Any) -> str:
 def _library_dirs() -> tuple[str, ...]:
     import jax
 
-    dirs = [os.path.dirname(jax.__file__), os.path.dirname(os.path.abspath(__file__))]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # reprules/, not this folder
+    dirs = [os.path.dirname(jax.__file__), package]
     try:
         import jaxlib
 
