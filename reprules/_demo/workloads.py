@@ -3,14 +3,8 @@
 Each :class:`Case` builds one training step twice: with ``shard_map``
 checking off (what users do today when a Pallas kernel has no rule) and with
 reprules (rules registered, checking on). Both steps return gradients, which
-the audit compares with an unsharded reference.
-
-Also the user-target protocol: ``reprules audit module:callable`` imports
-``module``, calls ``callable()`` with no arguments, and accepts as its result
-either a tuple ``(step, args)`` / ``(step, args, kwargs)`` or a mapping with
-keys ``"step"``, ``"args"`` and optionally ``"kwargs"``, ``"name"`` and
-``"reference"`` (a zero-argument callable returning what ``step`` should
-return, for the error column). ``step`` is audited as ``jax.jit(step)(*args)``.
+the audit compares with an unsharded reference. (A user's own target is read
+by ``reprules._audit._target``.)
 """
 
 from __future__ import annotations
@@ -312,67 +306,3 @@ def transformer_target(check: bool = True, scan: bool = False) -> Mapping[str, A
 def transformer_scan_target(check: bool = True) -> Mapping[str, Any]:
     """:func:`transformer_target` with the layers under ``jax.lax.scan``."""
     return transformer_target(check, scan=True)
-
-
-# --- user targets ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Target:
-    """A user's step, resolved from ``module:callable``."""
-
-    name: str
-    step: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: Mapping[str, Any]
-    reference: Callable[[], Any] | None
-
-
-class TargetError(Exception):
-    """A ``module:callable`` target could not be loaded (a usage error)."""
-
-
-_PROTOCOL = (
-    "The callable must take no arguments and return (step, args), (step, args, kwargs), or a "
-    "mapping with 'step' and 'args' (optional 'kwargs', 'name', 'reference')."
-)
-
-
-def load_target(spec: str) -> Target:
-    """Imports ``module:callable`` and calls it (see the module docstring)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise TargetError(
-            f"Target {spec!r} is not of the form module:callable.\n"
-            "Fix: e.g. `reprules audit my_project.train:audit_step`.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise TargetError(
-            f"Cannot import module {module_name!r} of target {spec!r}: {err}.\n"
-            "Fix: run from the directory that contains it, or install your package.") from err
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise TargetError(
-                f"Module {module_name!r} has no attribute {attr!r} (target {spec!r}).\n"
-                f"Fix: name a callable defined in {module_name}.")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TargetError(f"{spec!r} is {type(obj).__name__}, not callable.\n{_PROTOCOL}")
-    result = obj()
-    step = args = None
-    kwargs: Mapping[str, Any] = {}
-    name, reference = attr, None
-    if isinstance(result, Mapping):
-        step, args = result.get("step"), result.get("args", ())
-        kwargs = result.get("kwargs", {}) or {}
-        name = result.get("name", name)
-        reference = result.get("reference")
-    elif isinstance(result, tuple) and len(result) in (2, 3):
-        step, args = result[0], result[1]
-        kwargs = result[2] if len(result) == 3 else {}
-    if not callable(step) or not isinstance(args, (tuple, list)):
-        raise TargetError(f"{spec}() returned {type(result).__name__} {str(result)[:80]!r}.\n"
-                          f"Why: {_PROTOCOL}\nFix: return e.g. `(jax.grad(loss), (params, batch))`.")
-    return Target(name=str(name), step=step, args=tuple(args), kwargs=dict(kwargs), reference=reference)
