@@ -95,14 +95,25 @@ if FFI_SKIPPED is None:
 # --- the check -------------------------------------------------------------------------------
 
 
-def main():
+def setup():
+    """The (4, 2) mesh, ``x`` sharded over ``data``, ``w`` replicated, the target ``t``, and the
+    unsharded reference gradients of ``sum(x * w * t)``."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     rng = np.random.RandomState(0)
     x_host, w_host, t = (rng.randn(16, 128).astype(np.float32), rng.randn(128).astype(np.float32),
                          rng.randn(16, 128).astype(np.float32))
     x = jax.device_put(x_host, NamedSharding(mesh, P("data", None)))
     w = jax.device_put(w_host, NamedSharding(mesh, P()))
-    reference = jax.grad(lambda x, w: (x * w * t).sum(), argnums=(0, 1))(x_host, w_host)
+
+    def reference():
+        return jax.grad(lambda x, w: (x * w * t).sum(), argnums=(0, 1))(x_host, w_host)
+
+    return mesh, x, w, t, reference
+
+
+def main():
+    mesh, x, w, t, reference_grads = setup()
+    reference = reference_grads()
 
     print(f"JAX {jax.__version__}, mesh (4, 2) ('data', 'model'); x: P('data', None), w: P(); "
           "loss: sum(layer(x, w) * t)")
@@ -135,19 +146,14 @@ def main():
 def audit_step(check=True, ffi=False):
     """The target of ``reprules audit examples/05_primitive_and_ffi.py``: the gradients of
     ``sum(layer(x, w) * t)``, with checking off or on (``ffi=True``: the FFI kernels)."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
-    rng = np.random.RandomState(0)
-    x_host, w_host, t = (rng.randn(16, 128).astype(np.float32), rng.randn(128).astype(np.float32),
-                         rng.randn(16, 128).astype(np.float32))
-    x = jax.device_put(x_host, NamedSharding(mesh, P("data", None)))
-    w = jax.device_put(w_host, NamedSharding(mesh, P()))
+    mesh, x, w, t, reference = setup()
     if ffi and FFI_SKIPPED is not None:
         raise RuntimeError(f"the FFI kernels are unavailable: {FFI_SKIPPED}")
     f = testing.shard_map(ffi_layer if ffi else primitive_layer, mesh, (P("data", None), P()), P("data", None),
                           check)
     return {"step": jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1)), "args": (x, w),
             "name": "ffi_layer" if ffi else "primitive_layer",
-            "reference": lambda: jax.grad(lambda x, w: (x * w * t).sum(), argnums=(0, 1))(x_host, w_host)}
+            "reference": reference}
 
 
 if __name__ == "__main__":
