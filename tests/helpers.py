@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -246,3 +247,13 @@ def megablox_in_own_process(test_file: str, test: str, env: dict[str, str], hang
         pytest.skip(f"JAX {jax.__version__}'s TPU interpreter aborted running megablox gmm (signal "
                     f"{-done.returncode}): no result to check. {done.stderr.strip().splitlines()[:1]}")
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def fuzz_seed() -> int:
+    """The fuzzers' seed: ``REPRULES_FUZZ_SEED`` if set (the noxfile sets and prints it), else
+    one shared by every pytest-xdist worker of this run."""
+    given = os.environ.get("REPRULES_FUZZ_SEED")
+    if given:
+        return int(given)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+    return int(run[:8], 16) if run else int(time.time())

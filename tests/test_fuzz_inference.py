@@ -10,24 +10,16 @@ test in tests/test_infer_effects.py.
 """
 
 import os
-import time
 
 import fuzz_kernels
 import pytest
+from helpers import fuzz_seed
 
 import reprules
 from reprules import rules
 
 
-def _seed() -> int:
-    given = os.environ.get("REPRULES_FUZZ_SEED")
-    if given:
-        return int(given)
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
-    return int(run[:8], 16) if run else int(time.time())
-
-
-SEED = _seed()
+SEED = fuzz_seed()
 COUNT = int(os.environ.get("REPRULES_FUZZ_COUNT", "100"))
 CHUNK = 10
 

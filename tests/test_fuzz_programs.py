@@ -12,23 +12,15 @@ is a minimized test in tests/test_program_counterexamples.py.
 
 import os
 import re
-import time
 
 import fuzz_programs
 import pytest
+from helpers import fuzz_seed
 
 NEWEST = fuzz_programs.JAX_VERSION[:2] >= (0, 12)
 
 
-def _seed() -> int:
-    given = os.environ.get("REPRULES_FUZZ_SEED")
-    if given:
-        return int(given)
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
-    return int(run[:8], 16) if run else int(time.time())
-
-
-SEED = _seed()
+SEED = fuzz_seed()
 COUNT = int(os.environ.get("REPRULES_PROGRAM_FUZZ_COUNT") or (200 if NEWEST else 50))
 CHUNK = 10
 
