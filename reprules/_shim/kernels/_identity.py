@@ -91,12 +91,8 @@ class PallasCall:
         derived from this very jaxpr) rather than from a JVP or vmap of it.
     """
 
-    __slots__ = ("params", "kernel_ref", "direct", "_name", "_site")
-
     def __init__(self, params: dict[str, Any], kernel_ref: Callable[[], Any] | None, direct: bool) -> None:
         self.params, self.kernel_ref, self.direct = params, kernel_ref, direct
-        self._name: str | None = None
-        self._site: tuple[str, int, bool] | None | bool = False  # False: not read yet
 
     @classmethod
     def of(cls, params: dict[str, Any], *, binding: bool = False) -> PallasCall:
@@ -127,19 +123,15 @@ class PallasCall:
             remember(self.params["jaxpr"], no_kernel, direct=True)
         self.kernel_ref, self.direct = no_kernel, True
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         """The kernel name JAX stored on the equation."""
-        if self._name is None:
-            self._name = kernel_name_from_params(self.params)
-        return self._name
+        return kernel_name_from_params(self.params)
 
-    @property
+    @functools.cached_property
     def site(self) -> tuple[str, int, bool] | None:
         """(file, line, exact) of the kernel function (see :func:`kernel_site`), or None."""
-        if self._site is False:
-            self._site = kernel_site(self.params, self.name)
-        return self._site  # type: ignore[return-value]
+        return kernel_site(self.params, self.name)
 
     @property
     def site_text(self) -> str:
