@@ -33,7 +33,7 @@ import jax
 from reprules import _errors
 from reprules._shim.plumbing import _frames, _jax
 from reprules._shim.safety import strict
-from reprules._shim.sound_types import opaque_types, out_specs_note
+from reprules._shim.sound_types import opaque_types, out_specs_note, retrace
 from reprules._shim.plumbing._jax import core, lu, pe
 from reprules._shim.plumbing._patches import Patches
 from reprules._shim.plumbing._types import TypeField, cast_inputs, in_checked_shard_map, manual_axes
@@ -43,7 +43,8 @@ _LOOPS = "jax._src.lax.control_flow.loops"
 
 
 def install(field: TypeField, patches: Patches) -> None:
-    """Hooks the binds of ``cond_p`` and ``while_p``."""
+    """Hooks the binds of ``cond_p`` and ``while_p``, and (``retrace``) the public entry points."""
+    retrace.install(field, patches)
     cond_p = _jax.primitive(_CONDITIONALS, "cond_p")
     while_p = _jax.primitive(_LOOPS, "while_p")
     if cond_p is not None:
@@ -91,6 +92,11 @@ def _while_bind(field: TypeField, bind: Callable[..., Any]) -> Callable[..., Any
     def while_bind(*args: Any, cond_jaxpr: Any, body_jaxpr: Any, cond_nconsts: int, body_nconsts: int,
                    **params: Any) -> Any:
         if opaque_types.widening_on() and in_checked_shard_map():
+            if retrace.loop_widening():  # traced by retrace's while_loop: it casts the carries and traces again
+                axes = field.varying(cond_jaxpr.out_avals[0])
+                carries = [jax.typeof(c) for c in args[cond_nconsts + body_nconsts:]]
+                if _values(carries) and any(axes - field.varying(a) for a in carries):
+                    raise retrace.Widen(axes)
             try:
                 args, cond_jaxpr, body_jaxpr = _retype_loop(field, args, cond_jaxpr, body_jaxpr, cond_nconsts,
                                                             body_nconsts)

@@ -1,0 +1,236 @@
+"""Control flow whose branches and loop bodies hold anything: never a crash or a refused correct program.
+
+A ``cond`` / ``switch`` on a device-varying predicate (jax#40823) is typed soundly by
+reprules from JAX 0.6, and a loop whose carry starts replicated and comes out varying is
+widened to a fixed point. Each program here failed before that was done at the public
+entry points (JAX re-tracing the user's functions on the new types): a branch holding a
+``scan``, ``fori_loop``, ``lax.map``, ``checkpoint``, ``custom_vjp``, ``jax.nn.relu``,
+``jnp.linalg.solve`` or a Pallas kernel with its rule, a carry from ``jnp.zeros``. Each is
+compared with checking off and with an unsharded reference (values and gradients), and
+its gradient's StableHLO must hold no collective inside a branch devices take apart (a
+deadlock on hardware), with no more all-reduces than checking off at the jaxpr, StableHLO
+and compiled-HLO levels.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+import fuzz_programs
+import reprules
+from helpers import NEW_SHARD_MAP, make_mesh, psum_axes, put, randn, shard_map
+
+pytestmark = pytest.mark.skipif(not NEW_SHARD_MAP, reason="the rep era (JAX <= 0.5) rewrites control flow "
+                                "in its check_rep rules (tests/test_rep_gaps.py, tests/test_rep_arming.py)")
+
+MESH = make_mesh()
+SHARDS = 4  # x's rows over "data"
+
+
+@reprules.replication_rule()
+def copy_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+
+
+@jax.custom_vjp
+def doubled(v):
+    return pl.pallas_call(copy_kernel, jax.ShapeDtypeStruct(v.shape, v.dtype), interpret=True)(v)
+
+
+doubled.defvjp(lambda v: (doubled(v), None), lambda _, g: (2.0 * g,))
+
+
+@jax.custom_vjp
+def scaled(v):
+    return v * 2.0
+
+
+scaled.defvjp(lambda v: (v * 2.0, None), lambda _, g: (g * 2.0,))
+
+
+def _pred(x):
+    return x.sum() > 0  # varies over "data"
+
+
+# What a branch does to the replicated weight w (2, 4): each holds its own jaxpr.
+BRANCHES = {
+    "relu": lambda w: jax.nn.relu(w) * 3.0,
+    "scan": lambda w: jax.lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(4), w)[1],
+    "fori_loop": lambda w: jax.lax.fori_loop(0, 3, lambda i, c: c * 1.5 + w, w),
+    "lax.map": lambda w: jax.lax.map(lambda r: r * r, w),
+    "checkpoint": lambda w: jax.checkpoint(lambda v: jnp.sin(v) * v)(w),
+    "custom_vjp": scaled,
+    "linalg.solve": lambda w: jnp.linalg.solve(jnp.eye(2) * 3.0 + w[:, :2] @ w[:, :2].T * 0.1, w),
+    "pallas_call with a rule": doubled,
+    "nested cond": lambda w: jax.lax.cond(w.sum() > 0, jnp.sin, lambda v: v, w),
+    "cond in scan": lambda w: jax.lax.scan(
+        lambda c, r: (jax.lax.cond(r.sum() > 0, lambda: c + r, lambda: c - r), c), jnp.zeros(4), w)[1],
+}
+
+
+def _as_operand(branch):
+    def body(x, w):
+        return x + jax.lax.cond(_pred(x), branch, lambda v: v * 2.0, w).sum(0)
+
+    return body
+
+
+def _closed_over(branch):
+    def body(x, w):
+        return x + jax.lax.cond(_pred(x), lambda: branch(w), lambda: w * 2.0).sum(0)
+
+    return body
+
+
+def _switch(branch):
+    def body(x, w):
+        index = jnp.clip(jnp.floor(x[0, 0]).astype(jnp.int32), 0, 2)
+        return x + jax.lax.switch(index, [lambda: branch(w), lambda: w * 2.0, lambda: jnp.cos(w)]).sum(0)
+
+    return body
+
+
+def _varying_operand_relu(x, w):
+    # jax.nn.relu (a custom_jvp) on a value that already varies, next to a replicated operand.
+    return x + jax.lax.cond(_pred(x), lambda a, b: jax.nn.relu(a) + b.sum(0), lambda a, b: a * 2.0, x, w)
+
+
+def _scan_carry_from_zeros(x, w):
+    def step(c, r):
+        return jax.lax.cond(r.sum() > 0, lambda: c + r * w[0], lambda: c - r), c
+
+    c, ys = jax.lax.scan(step, jnp.zeros(4), x)
+    return ys + c
+
+
+def _fori_accumulator(x, w):
+    # marin-levanter's fused cross-entropy backward: an accumulator from jnp.zeros.
+    acc = jax.lax.fori_loop(0, x.shape[0], lambda i, acc: acc + x[i] * w[0], jnp.zeros(4))
+    return x + acc
+
+
+def _carry_chain(x, w):
+    # c1 takes c0's old value: the carries vary one step later each (three passes to the fixed point).
+    def step(c, r):
+        c0, c1, c2 = c
+        return (r, c0, c1 + w[1]), c2
+
+    (c0, c1, c2), ys = jax.lax.scan(step, (jnp.zeros(4), jnp.zeros(4), jnp.zeros(4)), x)
+    return ys + c0 + c1 + c2
+
+
+def _while_accumulator(x, w):
+    _, acc = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + x[c[0]] * w[0]), (0, jnp.zeros(4)))
+    return x + acc
+
+
+PROGRAMS = {
+    **{f"cond operand, {k}": _as_operand(b) for k, b in BRANCHES.items()},
+    **{f"cond closure, {k}": _closed_over(b) for k, b in BRANCHES.items()},
+    **{f"switch closure, {k}": _switch(b) for k, b in BRANCHES.items() if k in ("scan", "checkpoint", "custom_vjp")},
+    "relu on a varying operand": _varying_operand_relu,
+    "scan carry from zeros through a cond": _scan_carry_from_zeros,
+    "fori_loop accumulator from zeros": _fori_accumulator,
+    "scan carries widened in a chain": _carry_chain,
+}
+
+
+def _reference(body, x, w):
+    """The program without shard_map: each data shard on its own, concatenated."""
+    rows = x.shape[0] // SHARDS
+    return jnp.concatenate([body(x[i * rows:(i + 1) * rows], w) for i in range(SHARDS)])
+
+
+def _loss(f):
+    def loss(x, w):
+        out = f(x, w)
+        return (out * jnp.arange(1.0, 1 + out.size).reshape(out.shape)).sum()
+
+    return loss
+
+
+def _sharded(body, check):
+    return shard_map(body, MESH, (P("data"), P()), P("data"), check=check)
+
+
+def _inputs():
+    x = randn(0, (8, 4))
+    return put(x, MESH, P("data")), put(randn(1, (2, 4)), MESH, P()), x
+
+
+def _all_reduces(text):
+    return len(re.findall(r"all[-_]reduce", text))
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_exact_and_no_collective_inside_a_branch(name):
+    body = PROGRAMS[name]
+    x, w, x_host = _inputs()
+    grad = {check: jax.jit(jax.value_and_grad(_loss(_sharded(body, check)), argnums=(0, 1))) for check in (True, False)}
+    on, off = grad[True](x, w), grad[False](x, w)
+    ref = jax.value_and_grad(_loss(lambda a, b: _reference(body, a, b)), argnums=(0, 1))(x_host, w)
+    for got, want in [*zip(jax.tree.leaves(on), jax.tree.leaves(ref)), *zip(jax.tree.leaves(on), jax.tree.leaves(off))]:
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()), err_msg=name)
+    lowered = {check: g.lower(x, w) for check, g in grad.items()}
+    under = [u for u in fuzz_programs.collectives_under_branches(lowered[True].as_text()) if "data" in u[1]]
+    assert not under, f"{name}: a collective over 'data' inside a branch: {under}"
+    assert len(psum_axes(jax.value_and_grad(_loss(_sharded(body, True))), x, w)) <= len(
+        psum_axes(jax.value_and_grad(_loss(_sharded(body, False))), x, w))
+    for level in (lambda lw: lw.as_text(), lambda lw: lw.compile().as_text()):
+        assert _all_reduces(level(lowered[True])) <= _all_reduces(level(lowered[False])), name
+
+
+def _while_scan(x, w):
+    # A while_loop with a data-varying trip count whose body holds a scan (forward only:
+    # JAX has no reverse mode for a while_loop).
+    n = (x[0, 0] > 0).astype(jnp.int32) + 1
+
+    def body(c):
+        i, v = c
+        return i + 1, jax.lax.scan(lambda a, r: (a * r, a), v, w)[0]
+
+    return x + jax.lax.while_loop(lambda c: c[0] < n, body, (0, w[0]))[1]
+
+
+def _while_closure_checkpoint(x, w):
+    n = (x[0, 0] > 0).astype(jnp.int32) + 1
+    return x + jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jax.checkpoint(jnp.sin)(c[1]) + w[0]),
+                                  (0, jnp.zeros(4)))[1]
+
+
+FORWARD = {"while_loop on a varying trip count holding a scan": _while_scan,
+           "while_loop on a varying trip count, checkpoint and a closure": _while_closure_checkpoint,
+           "while_loop accumulator from zeros": _while_accumulator}
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_forward_exact(name):
+    body = FORWARD[name]
+    x, w, x_host = _inputs()
+    on = jax.jit(_sharded(body, True))(x, w)
+    np.testing.assert_allclose(on, jax.jit(_sharded(body, False))(x, w), rtol=1e-6)
+    np.testing.assert_allclose(on, _reference(body, x_host, w), rtol=1e-5)
+
+
+def test_a_replicated_carry_is_widened_outside_the_loop():
+    """The fixed point casts the initial carry up before the loop (one cast, outside):
+    its cotangent's psum over 'data' sits after the loop, never in its body."""
+    x, w, _ = _inputs()
+    lowered = jax.jit(jax.grad(_loss(_sharded(_fori_accumulator, True)), argnums=1)).lower(x, w).as_text()
+    assert not [u for u in fuzz_programs.collectives_under_branches(lowered) if "data" in u[1]]
+    jaxpr = jax.make_jaxpr(_sharded(_fori_accumulator, True))(x, w)
+    text = str(jaxpr)
+    assert re.search(r"(pvary|pcast)", text), text
+
+
+def test_switched_off_jax_refuses_the_replicated_carry(monkeypatch):
+    """With REPRULES_SOUND_TYPES=0 the carry is JAX's own: its carry-type refusal."""
+    monkeypatch.setenv("REPRULES_SOUND_TYPES", "0")
+    x, w, _ = _inputs()
+    with pytest.raises(TypeError, match="carry input and carry output must have equal types"):
+        jax.jit(_sharded(_fori_accumulator, True)).lower(x, w)
