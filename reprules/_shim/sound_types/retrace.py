@@ -135,7 +135,7 @@ def _branches_traced(field: TypeField, funs: Sequence[Any], axes: frozenset[str]
     traced (so that ``jnp``'s own casts inside see it varying), the cast itself where JAX
     lifts it into a branch (:func:`_lift`)."""
     casts: dict[int, Any] = {}
-    swapped: list[tuple[Any, Any]] = []
+    swapped: list[tuple[Any, str, Any]] = []
     try:
         for x in _closed_over(funs):
             if id(x) in casts or not _inside(x, axes) or not axes - field.varying(x.aval):
@@ -153,25 +153,48 @@ def _branches_traced(field: TypeField, funs: Sequence[Any], axes: frozenset[str]
         finally:
             _state.scopes.pop()
     finally:
-        for x, old in reversed(swapped):
-            x.aval = old
+        _restore(swapped)
 
 
-def _swap(field: TypeField, x: Any, varying: frozenset[str]) -> list[tuple[Any, Any]] | None:
-    """Types ``x`` as varying over ``varying``, and the staged values under it (a
-    JVP's or linearization's primal and tangent, a batch's value), whichever hold
-    their own type; returns what to restore, or None where nothing could be."""
-    held: list[tuple[Any, Any]] = []
+def _swap(field: TypeField, x: Any, varying: frozenset[str]) -> list[tuple[Any, str, Any]] | None:
+    """Types ``x`` as varying over ``varying``, and the values under it (a JVP's or
+    linearization's primal and tangent, a batch's value), whichever hold their own
+    type; returns what to restore, or None (nothing changed) where some part's type
+    cannot be set (an eager ``shard_map``'s values: the bind hook retypes those)."""
+    held: list[tuple[Any, str, Any]] = []
+    pval, val = _own(x, "pval"), _own(x, "val")
+    if val is not None and not isinstance(val, (core.Tracer, _jax.core.Var)):
+        return None  # an eager shard_map's or vmap's value: its type is read from its layout
+    if pval is not None and not pval.is_known():  # a partial evaluation's unknown (JAX <= 0.7's grad)
+        held.append((x, "pval", pval))
+        x.pval = pe.PartialVal.unknown(field.retype(pval.get_aval(), varying))
+    else:
+        try:
+            old = x.aval
+            x.aval = field.retype(old, varying)
+            held.append((x, "aval", old))
+        except AttributeError:  # a type computed from the values under it
+            pass
+    inner = [v for v in (_own(x, name) for name in ("primal", "tangent", "val")) if isinstance(v, core.Tracer)]
+    parts = [_swap(field, v, varying) for v in inner]
+    held += [entry for part in parts if part is not None for entry in part]
+    if (held or inner) and None not in parts:
+        return held
+    _restore(held)  # all or nothing
+    return None
+
+
+def _own(x: Any, name: str) -> Any:
+    """``x``'s own attribute ``name`` (a tracer's ``__getattr__`` would ask its type)."""
     try:
-        old = x.aval
-        x.aval = field.retype(old, varying)
-        held.append((x, old))
-    except AttributeError:  # a type computed from the values under it (JAX <= 0.11)
-        pass
-    for inner in (getattr(x, name, None) for name in ("primal", "tangent", "val")):
-        if isinstance(inner, core.Tracer):
-            held.extend(_swap(field, inner, varying) or ())
-    return held or None
+        return object.__getattribute__(x, name)
+    except AttributeError:
+        return None
+
+
+def _restore(held: Sequence[tuple[Any, str, Any]]) -> None:
+    for obj, attr, old in reversed(held):
+        setattr(obj, attr, old)
 
 
 def _inside(x: Any, axes: frozenset[str]) -> bool:
@@ -185,7 +208,7 @@ def _inside(x: Any, axes: frozenset[str]) -> bool:
 def _closed_over(funs: Sequence[Any]) -> list[Any]:
     """The staged values (tracers of the traces a ``cond`` may be called in) that
     ``funs`` hold: in closures, defaults, ``functools.partial`` arguments, bound
-    methods' objects and pytrees, a few levels down. What is missed here is left
+    methods' objects, pytrees and objects' attributes, a few levels down. What is missed here is left
     to the bind hook (``control_flow``), which retypes the traced branches."""
     found: list[Any] = []
     seen: set[int] = set()
@@ -218,6 +241,8 @@ def _closed_over(funs: Sequence[Any]) -> list[Any]:
             leaves = jax.tree.leaves(obj)
             if leaves != [obj]:
                 visit(leaves, depth + 1)
+            elif isinstance(getattr(obj, "__dict__", None), dict):  # an object holding values
+                visit(obj.__dict__, depth + 1)
 
     for fun in funs:
         visit(fun, 0)
