@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from types import FunctionType, MethodType, ModuleType
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -140,8 +141,7 @@ def _branches_traced(field: TypeField, funs: Sequence[Any], axes: frozenset[str]
         for x in _closed_over(funs):
             if id(x) in casts or not _inside(x, axes) or not axes - field.varying(x.aval):
                 continue
-            with core.set_current_trace(x._trace):  # cast where x was made: outside the cond
-                cast = _up(field, x, axes)
+            cast = _outer_cast(field, x, axes)
             held = _swap(field, x, field.varying(jax.typeof(cast)))
             if held is None:  # (a value whose type cannot be swapped: left to the bind hook)
                 continue
@@ -154,6 +154,24 @@ def _branches_traced(field: TypeField, funs: Sequence[Any], axes: frozenset[str]
             _state.scopes.pop()
     finally:
         _restore(swapped)
+
+
+# One cast per value and axes in each trace, however many conds close over it: one
+# psum of its cotangent, not one per cond.
+_casts: weakref.WeakKeyDictionary[Any, dict[tuple[int, frozenset[str]], tuple[Any, Any]]] = weakref.WeakKeyDictionary()
+
+
+def _outer_cast(field: TypeField, x: Any, axes: frozenset[str]) -> Any:
+    """``x`` cast up to ``axes`` where it was made: outside the cond."""
+    try:
+        made = _casts.setdefault(x._trace, {})
+    except TypeError:  # (a trace that takes no weak reference: cast each time)
+        made = {}
+    key = (id(x), axes | field.varying(x.aval))
+    if key not in made:
+        with core.set_current_trace(x._trace):
+            made[key] = (x, _up(field, x, axes))  # (x kept alive: its id stays its own)
+    return made[key][1]
 
 
 def _swap(field: TypeField, x: Any, varying: frozenset[str]) -> list[tuple[Any, str, Any]] | None:
