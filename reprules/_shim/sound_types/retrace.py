@@ -238,9 +238,11 @@ def _closed_over(funs: Sequence[Any]) -> list[Any]:
         if isinstance(obj, core.Tracer):
             found.append(obj)
         elif isinstance(obj, functools.partial):
-            visit(obj.func, depth + 1), visit(obj.args, depth + 1), visit(obj.keywords, depth + 1)
+            for part in (obj.func, obj.args, obj.keywords):
+                visit(part, depth + 1)
         elif isinstance(obj, MethodType):
-            visit(obj.__func__, depth + 1), visit(obj.__self__, depth + 1)
+            for bound in (obj.__func__, obj.__self__):
+                visit(bound, depth + 1)
         elif isinstance(obj, FunctionType):
             for cell in obj.__closure__ or ():
                 try:
