@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 VERIFY_ENV = "REPRULES_VERIFY"
 STRICT_ENV = "REPRULES_STRICT"
@@ -77,6 +78,42 @@ def sound_types() -> bool:
     """Whether reprules types rule-less opaque calls and control flow on a varying
     predicate soundly where JAX's types are too small: on unless ``REPRULES_SOUND_TYPES=0``."""
     return not _env_off(SOUND_TYPES_ENV)
+
+
+# The variables read at trace time, as they were when last looked at (see notice_env).
+_TRACE_ENVS = (VERIFY_ENV, STRICT_ENV, INFER_ENV, SOUND_TYPES_ENV)
+# CPython's os.environ keeps its entries in a dict under encoded keys: a lookup there costs a
+# tenth of os.environ.get's for an unset variable (a KeyError caught), and notice_env runs at
+# every bind (os.environ.get where that dict is not there).
+_ENV_KEYS = [getattr(os.environ, "encodekey", str)(name) for name in _TRACE_ENVS]
+
+
+def _env_now() -> list[object]:
+    data = getattr(os.environ, "_data", None)
+    if type(data) is dict:
+        return [data.get(key) for key in _ENV_KEYS]
+    return [os.environ.get(name) for name in _TRACE_ENVS]
+
+
+_env_seen = _env_now()
+env_changed: Callable[[], None] | None = None  # set by _modes: strict's hook follows, JAX's caches dropped
+
+
+def notice_env() -> None:
+    """Where a trace may start (the shim calls it): if a mode's environment variable changed
+    since the last look, runs :data:`env_changed`, so that no trace or type JAX cached in the
+    old mode is reused (JAX keys its caches by its own config, never by reprules' modes).
+    The context managers of ``_modes`` drop the caches themselves."""
+    global _env_seen
+    now = _env_now()
+    if now == _env_seen:
+        return
+    with lock:
+        if now == _env_seen:
+            return
+        _env_seen = now
+    if env_changed is not None:
+        env_changed()
 
 
 def dormant() -> bool:

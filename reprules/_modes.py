@@ -1,8 +1,11 @@
 """Opt-in modes: verify (catch lying rules), strict (no silent typing) and
 inference (rules derived from kernel bodies).
 
-Both are read when a function is *traced*; switching one drops JAX's cached
-traces so the next call is traced again in the new mode. Both are free when off.
+Each is read when a function is *traced*; switching one drops JAX's cached
+traces so the next call is traced again in the new mode: a context on entry and
+exit, an environment variable (``REPRULES_VERIFY``, ``REPRULES_STRICT``,
+``REPRULES_INFER``, ``REPRULES_SOUND_TYPES``) at the first trace after it changed.
+Each is free when off.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from reprules import _mode_state
 from reprules._mode_state import (
     DORMANT_ENV, INFER_ENV, STRICT_ENV, VERIFY_ENV, dormant, enter, inferring, inferring_by_default, leave,
     strict_on, verifying,
@@ -23,6 +27,18 @@ def _retrace() -> None:
     from reprules import _shim  # lazy: imports JAX, only when a mode is switched
 
     _shim.clear_jax_caches()
+
+
+def _env_changed() -> None:
+    """A mode's environment variable changed since the last trace (``_mode_state.notice_env``):
+    strict mode's hook follows it, and no trace of the old mode is reused."""
+    from reprules import _shim  # lazy: imports JAX (imported already: a trace is starting)
+
+    _shim.sync_strict()
+    _shim.clear_jax_caches()
+
+
+_mode_state.env_changed = _env_changed
 
 
 @contextlib.contextmanager
@@ -67,11 +83,15 @@ def strict() -> Iterator[None]:
 
     From JAX 0.6, an opaque primitive without a rule (``ffi_call`` from 0.8.2,
     jax-triton's ``triton_call``, a user primitive whose abstract eval drops the
-    varying axes) gets outputs typed *replicated* even when its inputs vary:
-    ``out_specs=P()`` is then accepted and returns one device's shard. Inside this
-    context (or with ``REPRULES_STRICT=1``), such a call raises
-    :class:`reprules.StrictModeError` while tracing. JAX <= 0.5 already refuses
-    primitives without a rule, so there this mode changes nothing.
+    varying axes, ``jax.pure_callback`` and ``io_callback``) gets outputs typed
+    *replicated* even when its inputs vary (an ``io_callback``'s may differ per
+    device whatever its inputs): ``out_specs=P()`` is then accepted and returns
+    one device's shard. Inside this context (or with ``REPRULES_STRICT=1``), such
+    a call raises :class:`reprules.StrictModeError` while tracing (the callbacks
+    JAX's Pallas interpreters bind for themselves are JAX's, and left alone).
+    JAX <= 0.5 already refuses primitives without a rule, and types both
+    callbacks' results varying over every mesh axis, so there this mode changes
+    nothing.
     """
     from reprules import _shim  # lazy: imports JAX
 

@@ -4,7 +4,7 @@ From JAX 0.6 a primitive's abstract eval *is* its replication rule. JAX's own
 primitives follow ``standard_vma_rule`` (outputs vary over the union of the
 inputs' axes), but an opaque call is typed by whoever wrote it: a user
 ``Primitive`` whose abstract eval returns ``ShapedArray(shape, dtype)``,
-``ffi_call`` from 0.8.2 and ``jax.pure_callback`` (its
+``ffi_call`` from 0.8.2, ``jax.pure_callback`` and ``io_callback`` (their
 result shapes, replicated whatever they say), jax-triton's ``triton_call``.
 Such an output is typed replicated while it differs per device:
 ``out_specs=P()`` returns one device's block, and a gradient through it
@@ -15,13 +15,25 @@ inputs vary over, reprules types every output by the union of the inputs'
 axes (JAX's rule for its ordinary primitives, and what NVIDIA Warp chose,
 warp#1860), casts the inputs up to that union first (the casts' transposes
 psum the cotangents of replicated inputs, so gradients are exact), and warns
-once per call site. A rule, ``reprules.strict()`` (which refuses) and
+once per call site. ``io_callback`` runs on every device against host state,
+so its results may differ per device even from replicated inputs: they are
+typed varying over every manual axis of the ``shard_map`` (it has no JVP or
+transpose: nothing to cast), with the same warning; one JAX binds for its own
+machinery (its Pallas interpreters simulate kernels through it) is JAX's
+(``strict.jax_own``). A rule, ``reprules.strict()`` (which refuses) and
 ``REPRULES_SOUND_TYPES=0`` (which keeps JAX's typing) each leave it alone.
 
 "Opaque" is decided once per primitive object: JAX's FFI and callback
 primitives, and every primitive no ``jax`` module defines. JAX's own
 collectives and higher-order primitives type their outputs from what they
 compute and are never touched.
+
+The mode is read per trace: JAX caches traces and abstract evals by its own
+config only, so where a trace may start (every bind, every ``jit`` call that
+goes through Python) a change of a mode's environment variable since the last
+look drops JAX's caches (``_mode_state.notice_env``). A ``jit`` function JAX
+dispatches from its C++ cache (compiled already, no host callback in it) runs
+no Python: it keeps its program until the next trace anywhere drops that cache.
 """
 
 from __future__ import annotations
@@ -32,12 +44,18 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
 from reprules import _errors, _mode_state
 from reprules._shim.plumbing import _frames, _jax
+from reprules._shim.kernels import _identity
 from reprules._shim.rules import _resolve
+from reprules._shim.safety import strict
+from reprules._shim.sound_types import out_specs_note
 from reprules._shim.plumbing._patches import Patches
 from reprules._shim.rules._resolve import Opaque
-from reprules._shim.plumbing._types import TypeField, call_axes, checking, hidden_axes, manual_axes
+from reprules._shim.plumbing._types import (TypeField, call_axes, checking, hidden_axes, in_checked_shard_map,
+                                            manual_axes)
 
 _lock = threading.RLock()
 _seen: set[Any] = set()  # every primitive bound under checking since install: classified once
@@ -51,18 +69,11 @@ _JAX_FFI = (
     ("jax._src.ffi", "ffi_call_p"),  # 0.5+ (reprules hooks it at activation too)
     ("jax._src.extend.ffi", "ffi_call_p"),  # 0.4.31 - 0.4.38
 )
-_JAX_CALLBACKS = (("jax._src.callback", "pure_callback_p"),)  # not io_callback: JAX's Pallas
-# TPU interpreter runs its simulation through it
-
-
-@functools.cache
-def _jax_callbacks() -> frozenset[Any]:
-    return _jax.primitives(_JAX_CALLBACKS)
 
 
 @functools.cache
 def _jax_opaque() -> frozenset[Any]:
-    return _jax.primitives(_JAX_FFI) | _jax_callbacks()
+    return _jax.primitives(_JAX_FFI) | strict.callbacks()
 
 
 def widening_on() -> bool:
@@ -79,6 +90,7 @@ def install(field: TypeField, patches: Patches, attach: Callable[[TypeField, Opa
     _jax_bind = original
 
     def bind(prim: Any, *args: Any, **params: Any) -> Any:
+        _mode_state.notice_env()  # a mode switched by its environment variable: JAX's caches dropped
         hooked: Any = prim.__dict__.get("bind")
         if hooked is not None and getattr(hooked, "reprules_opaque_hook", False):
             # reprules' per-primitive hook, reached through `prim.bind` looked up before it was
@@ -91,12 +103,29 @@ def install(field: TypeField, patches: Patches, attach: Callable[[TypeField, Opa
             hook = "bind" not in vars(prim) and _opaque(prim)  # an instance hook: attached already
             if hook:
                 own = Patches()
-                attach(field, _describe(prim), own)
+                (_attach_io_callback if prim in strict.io_callbacks() else attach)(field, _describe(prim), own)
                 _implicit[prim] = own
         return prim.bind(*args, **params) if hook else original(prim, *args, **params)
 
     patches.setattr(_jax.core.Primitive, "bind", bind)
     patches.on_undo(_forget_all)
+    _notice_at_jit(patches)
+
+
+def _notice_at_jit(patches: Patches) -> None:
+    """Every ``jit`` call that goes through Python (a trace at the top, any ``jit`` inside one,
+    ``.trace``, ``make_jaxpr``) looks for a mode switched by its environment variable before
+    JAX looks up its cached trace (``pjit._infer_params``, 0.6 - 0.12)."""
+    pjit = _jax.module("jax._src.pjit")
+    infer_params: Callable[..., Any] | None = getattr(pjit, "_infer_params", None)
+    if infer_params is None:
+        return
+
+    def _infer_params(*args: Any, **kwargs: Any) -> Any:
+        _mode_state.notice_env()
+        return infer_params(*args, **kwargs)
+
+    patches.setattr(pjit, "_infer_params", _infer_params)
 
 
 def jax_bind(prim: Any) -> Callable[..., Any]:
@@ -147,7 +176,7 @@ def _opaque(prim: Any) -> bool:
 
 
 def _describe(prim: Any) -> Opaque:
-    if prim in _jax_callbacks():  # jax.pure_callback
+    if prim in strict.callbacks():  # jax.pure_callback, io_callback
         return Opaque(prim=prim, kind="JAX callback", lookup=lambda params: None,
                       name=lambda params: prim.name, layout=lambda params, n: (0, None))
     return _resolve.describe(prim)
@@ -190,14 +219,35 @@ def warn(op: Opaque, params: dict[str, Any], union: frozenset[str], out_avals: S
         _warned.add(key)
     site = _frames.annotation_site(depth=2)
     short = sorted({a for o in out_avals if hasattr(o, "shape") for a in union - field.varying(o)})
-    message = _errors.sound_type_message(
-        op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=_rule_target(op, name))
+    if op.prim in strict.io_callbacks():
+        message = _io_callback_message(name, site, short, union)
+    else:
+        message = _errors.sound_type_message(
+            op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=_rule_target(op, name))
     if user is None:
         warnings.warn(message, _errors.ReplicationWarning, stacklevel=3)
     else:  # attributed to the user's line, as warnings filters and pytest report it
         warnings.warn_explicit(message, _errors.ReplicationWarning, user.f_code.co_filename, user.f_lineno,
                                module=str(user.f_globals.get("__name__")),
                                registry=user.f_globals.setdefault("__warningregistry__", {}))
+
+
+def _io_callback_message(name: str, site: str, short: Sequence[str], typed: frozenset[str]) -> str:
+    """:class:`ReplicationWarning` for an ``io_callback`` typed varying over every manual axis."""
+    axes, short_text = _errors.fmt_axes(typed), _errors.fmt_axes(short)
+    return (
+        f"The JAX callback {name!r}{f' (called at {site})' if site else ''} runs on every device against host "
+        f"state, so its results may differ per device whatever its inputs, but JAX typed them replicated over "
+        f"{short_text} (mesh axes {_errors.fmt_axes(manual_axes())}, JAX {_jax.JAX_VERSION}).\n"
+        "Why: JAX alone would accept out_specs that need them replicated (returning one device's block), and a "
+        f"gradient through it (a custom_vjp) would miss its psum over {short_text}, silently. reprules typed every "
+        f"output varying over {axes}, every manual axis of the shard_map.\n"
+        "Fix: nothing to change in your code: a JAX callback cannot say how its results vary (it ignores the "
+        "varying axes of result_shape_dtypes), so this typing is the fix; keep those axes in the out_specs, or "
+        "reduce the results over them (jax.lax.psum, jax.lax.all_gather); silence the warning with "
+        "`warnings.filterwarnings('ignore', category=reprules.ReplicationWarning)`. reprules.strict() refuses "
+        "such a call instead; REPRULES_SOUND_TYPES=0 keeps JAX's typing."
+    )
 
 
 def _rule_target(op: Opaque, name: str) -> str:
@@ -210,3 +260,39 @@ def _rule_target(op: Opaque, name: str) -> str:
         return ""  # nothing to register a rule on
     return f"<the {name!r} primitive>"
 
+
+def _attach_io_callback(field: TypeField, op: Opaque, patches: Patches) -> None:
+    """``io_callback``: each output typed varying over every manual axis (and the call site
+    warned about once), unless JAX bound it for itself or the mode keeps JAX's typing."""
+    prim = op.prim
+    original_abstract_eval = prim.abstract_eval
+    original_bind = jax_bind(prim)
+
+    def sound_here(params: dict[str, Any]) -> bool:
+        return widening_on() and in_checked_shard_map() and not strict.jax_own(params)
+
+    def abstract_eval(*avals: Any, **params: Any) -> Any:
+        out, effects = original_abstract_eval(*avals, **params)
+        if not sound_here(params):
+            return out, effects
+        axes = axes_here(field, avals)
+        with call_axes(axes, avals):
+            return [field.retype(o, field.varying(o) | frozenset(axes)) if hasattr(o, "shape") else o
+                    for o in out], effects
+
+    def bind(*args: Any, **params: Any) -> Any:
+        if sound_here(params):
+            avals = [jax.typeof(a) for a in args]
+            outs = original_abstract_eval(*avals, **params)[0]
+            axes = frozenset(axes_here(field, avals))
+            if any(hasattr(o, "shape") and axes - field.varying(o) for o in outs):
+                # Typed as by a rule: a custom_vjp around it gets reprules' exact psum of a cotangent
+                # varying over axes its primal does not (JAX would refuse the pass-through bwd).
+                _identity.note_registered_call()
+                warn(op, params, axes, outs, field)
+                out_specs_note.record(f"the JAX callback {prim.name!r}, which runs on every device", axes)
+        return original_bind(*args, **params)
+
+    bind.reprules_opaque_hook = True  # type: ignore[attr-defined]  # the class hook sends stale binds here
+    patches.setattr(prim, "abstract_eval", abstract_eval)
+    patches.setattr(prim, "bind", bind)
