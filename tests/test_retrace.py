@@ -234,3 +234,37 @@ def test_switched_off_jax_refuses_the_replicated_carry(monkeypatch):
     x, w, _ = _inputs()
     with pytest.raises(TypeError, match="carry input and carry output must have equal types"):
         jax.jit(_sharded(_fori_accumulator, True)).lower(x, w)
+
+
+# Found by the program fuzzer: a widened value meeting JAX's own checks (x: P(), 8 devices).
+def _replicated_switch_over_a_widened_loop(x):
+    # The fori_loop's trip count varies over "data": its carry is widened, the other branch's
+    # output is not; on a replicated index both are cast up to their union.
+    return jax.lax.psum(jax.lax.switch(jnp.abs(jnp.sum(x)).astype(jnp.int32) % 2, [
+        lambda: jax.lax.fori_loop(0, jax.lax.axis_index("data") + 1, lambda i, c: c * 0.5 + x, jnp.zeros(x.shape)),
+        lambda: x * 2.0]), "data")
+
+
+def _replicated_cond_over_a_varying_switch(x):
+    return jax.lax.cond(jnp.sum(x) > 0.0, lambda: jax.lax.switch(jax.lax.axis_index("data") % 3, [
+        lambda: x * 2.0, lambda: x * 3.0]), lambda: x)
+
+
+def _psum_over_axes_a_widened_value_partly_varies_over(x):
+    k = jnp.sum(x) * 0.0
+    v = jax.lax.while_loop(lambda c: c[0] < c[2], lambda c: (c[0] + 1.0, c[1] * 0.5, c[2]),
+                           (k, x, k + jax.lax.axis_index("data") + 1.0))[1]
+    return jax.lax.psum(v, ("data", "model"))
+
+
+WIDENED = {"replicated switch over a widened loop": (_replicated_switch_over_a_widened_loop, P()),
+           "replicated cond over a varying switch": (_replicated_cond_over_a_varying_switch, P("data")),
+           "psum over axes a widened value partly varies over": (_psum_over_axes_a_widened_value_partly_varies_over, P())}
+
+
+@pytest.mark.parametrize("name", WIDENED)
+def test_widened_values_meet_jax_checks_as_checking_off(name):
+    body, out_specs = WIDENED[name]
+    x = put(randn(2, (4,)), MESH, P())
+    on, off = (jax.jit(shard_map(body, MESH, P(), out_specs, check=check))(x) for check in (True, False))
+    np.testing.assert_allclose(on, off, rtol=1e-6)

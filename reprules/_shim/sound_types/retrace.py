@@ -48,8 +48,10 @@ from reprules._shim.sound_types import opaque_types, out_specs_note
 
 _CONDITIONALS = "jax._src.lax.control_flow.conditionals"
 _LOOPS = "jax._src.lax.control_flow.loops"
+_PARALLEL = "jax._src.lax.parallel"
 _NAMESPACES = ("jax._src.lax.control_flow", "jax.lax")
 _CARRY_ERROR = "carry input and carry output must have equal types"
+_BRANCHES_ERROR = "branches must have equal output types"
 
 
 class Widen(Exception):
@@ -86,11 +88,13 @@ def loop_widening() -> bool:
 def install(field: TypeField, patches: Patches) -> None:
     """Hooks ``cond``, ``switch``, ``scan`` and ``while_loop`` where JAX defines and
     exports them, and the lifting of outer values into a traced function."""
-    conditionals, loops = _jax.module(_CONDITIONALS), _jax.module(_LOOPS)
-    hooks = {"cond": _cond_entry(field, conditionals.cond), "switch": _switch_entry(field, conditionals.switch),
-             "scan": _scan_entry(field, loops.scan), "while_loop": _while_entry(field, loops.while_loop)}
-    for name, hook in hooks.items():
-        home = conditionals if name in ("cond", "switch") else loops
+    conditionals, loops, parallel = _jax.module(_CONDITIONALS), _jax.module(_LOOPS), _jax.module(_PARALLEL)
+    hooks = [(conditionals, "cond", _cond_entry(field, conditionals.cond)),
+             (conditionals, "switch", _switch_entry(field, conditionals.switch)),
+             (loops, "scan", _scan_entry(field, loops.scan)),
+             (loops, "while_loop", _while_entry(field, loops.while_loop)),
+             *((parallel, name, _reduction_entry(field, getattr(parallel, name))) for name in ("psum", "pmax", "pmin"))]
+    for home, name, hook in hooks:
         patches.setattr(home, name, hook)
         for namespace in map(_jax.module, _NAMESPACES):
             if getattr(namespace, name, None) is getattr(hook, "__wrapped__", None):
@@ -135,6 +139,8 @@ def _branches_traced(field: TypeField, funs: Sequence[Any], axes: frozenset[str]
     ``axes`` outside, and seen by the branches as the cast: its type while they are
     traced (so that ``jnp``'s own casts inside see it varying), the cast itself where JAX
     lifts it into a branch (:func:`_lift`)."""
+    if not axes:
+        return call()
     casts: dict[int, Any] = {}
     swapped: list[tuple[Any, str, Any]] = []
     try:
@@ -269,10 +275,16 @@ def _closed_over(funs: Sequence[Any]) -> list[Any]:
     return found
 
 
-def _branch(field: TypeField, fun: Callable[..., Any], axes: frozenset[str]) -> Callable[..., Any]:
+def _branch(field: TypeField, fun: Callable[..., Any], axes: frozenset[str],
+            joined: Sequence[frozenset[str]] | None = None) -> Callable[..., Any]:
+    """``fun`` with its outputs cast up to ``axes`` (and each to its ``joined`` axes)."""
     @functools.wraps(fun)
     def branch(*operands: Any) -> Any:
-        return _tree_up(field, fun(*operands), axes)
+        out = fun(*operands)
+        if joined is None:
+            return _tree_up(field, out, axes)
+        leaves, treedef = jax.tree.flatten(out)
+        return jax.tree.unflatten(treedef, [_up(field, x, axes | j) for x, j in zip(leaves, joined)])
 
     return branch
 
@@ -288,15 +300,11 @@ def _note(what: str, axes: frozenset[str]) -> None:
 def _cond_entry(field: TypeField, cond: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(cond)
     def entry(pred: Any, *args: Any, **kwargs: Any) -> Any:
-        axes = _varying_index(field, pred)
-        if not axes or len(args) < 2 or not (callable(args[0]) and callable(args[1])):
+        if not _on() or len(args) < 2 or not (callable(args[0]) and callable(args[1])):
             return cond(pred, *args, **kwargs)  # (the old five-argument form is left to JAX)
         true_fun, false_fun, *operands = args
-        operands = _tree_up(field, operands, axes)
-        kwargs = {k: _tree_up(field, v, axes) if k == "operand" else v for k, v in kwargs.items()}
-        _note("lax.cond", axes)
-        return _branches_traced(field, (true_fun, false_fun), axes, lambda: cond(
-            pred, _branch(field, true_fun, axes), _branch(field, false_fun, axes), *operands, **kwargs))
+        return _conditional(field, "lax.cond", pred, (true_fun, false_fun), operands, kwargs,
+                            lambda b, ops, kw: cond(pred, *b, *ops, **kw))
 
     return entry
 
@@ -304,16 +312,74 @@ def _cond_entry(field: TypeField, cond: Callable[..., Any]) -> Callable[..., Any
 def _switch_entry(field: TypeField, switch: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(switch)
     def entry(index: Any, branches: Sequence[Callable[..., Any]], *operands: Any, **kwargs: Any) -> Any:
-        axes = _varying_index(field, index)
-        if not axes:
+        if not _on():
             return switch(index, branches, *operands, **kwargs)
-        operands = tuple(_tree_up(field, list(operands), axes))
-        kwargs = {k: _tree_up(field, v, axes) if k == "operand" else v for k, v in kwargs.items()}
-        _note("lax.switch", axes)
-        wrapped = [_branch(field, b, axes) for b in branches]
-        return _branches_traced(field, branches, axes, lambda: switch(index, wrapped, *operands, **kwargs))
+        return _conditional(field, "lax.switch", index, tuple(branches), list(operands), kwargs,
+                            lambda b, ops, kw: switch(index, list(b), *ops, **kw))
 
     return entry
+
+
+def _conditional(field: TypeField, what: str, index: Any, branches: tuple[Callable[..., Any], ...],
+                 operands: list[Any], kwargs: dict[str, Any], call: Callable[..., Any]) -> Any:
+    """JAX's ``cond`` / ``switch`` (``call``), its operands and the values its branches close
+    over cast up to the axes the predicate varies over; where the branches then return
+    differently typed outputs (one holds a loop reprules widened), each output is cast up
+    to the union of the branches' types and the call traced again."""
+    axes = _varying_index(field, index)
+    if axes:
+        operands = _tree_up(field, operands, axes)
+        kwargs = {k: _tree_up(field, v, axes) if k == "operand" else v for k, v in kwargs.items()}
+        _note(what, axes)
+    args = [kwargs["operand"]] if "operand" in kwargs else operands
+    joined: list[frozenset[str]] | None = None
+    while True:
+        wrapped = tuple(_branch(field, b, axes, joined) for b in branches) if axes or joined else branches
+        try:
+            return _branches_traced(field, branches, axes, lambda: call(wrapped, operands, kwargs))
+        except TypeError as err:
+            if joined is not None or _BRANCHES_ERROR not in str(err):
+                raise
+            joined = _branch_types(field, branches, axes, args, err)
+
+
+def _branch_types(field: TypeField, branches: Sequence[Callable[..., Any]], axes: frozenset[str],
+                  args: list[Any], err: TypeError) -> list[frozenset[str]]:
+    """Each output's axes joined over every branch (one trace of each; ``err``, JAX's
+    refusal, raised again where the branches differ in more than their axes)."""
+    leaves, treedef = jax.tree.flatten(args)
+    if not all(_array(x) for x in leaves):
+        raise err
+    avals = [jax.typeof(x) for x in leaves]
+    outs = _branches_traced(field, branches, axes, lambda: [
+        _trace_out_avals(lambda *flat, b=b: _branch(field, b, axes)(*jax.tree.unflatten(treedef, list(flat))), avals)
+        for b in branches])
+    if len({len(o) for o in outs}) != 1 or not all(type(a) is core.ShapedArray for o in outs for a in o):
+        raise err
+    return [frozenset().union(*(field.varying(o[i]) for o in outs)) for i in range(len(outs[0]))]
+
+
+def _reduction_entry(field: TypeField, reduce: Callable[..., Any]) -> Callable[..., Any]:
+    """``psum`` / ``pmax`` / ``pmin`` over axes a value varies over only in part (a value
+    reprules widened, JAX alone typed replicated): cast up over the rest first, which is
+    what JAX does for a value replicated over all of them (JAX refuses the mix)."""
+
+    @functools.wraps(reduce)
+    def entry(x: Any, axis_name: Any, *args: Any, **kwargs: Any) -> Any:
+        if _on():
+            names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+            named = frozenset(names) & frozenset(manual_axes())
+            x = jax.tree.map(lambda v: _mixed_up(field, v, named), x)
+        return reduce(x, axis_name, *args, **kwargs)
+
+    return entry
+
+
+def _mixed_up(field: TypeField, x: Any, axes: frozenset[str]) -> Any:
+    if not _array(x):
+        return x
+    have = field.varying(jax.typeof(x))
+    return _up(field, x, axes) if have & axes and axes - have else x
 
 
 def _lift(field: TypeField, to_jaxpr_tracer: Callable[..., Any]) -> Callable[..., Any]:
