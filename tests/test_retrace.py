@@ -268,3 +268,28 @@ def test_widened_values_meet_jax_checks_as_checking_off(name):
     x = put(randn(2, (4,)), MESH, P())
     on, off = (jax.jit(shard_map(body, MESH, P(), out_specs, check=check))(x) for check in (True, False))
     np.testing.assert_allclose(on, off, rtol=1e-6)
+
+
+@jax.custom_vjp
+def _mulsin(a, b):
+    return a * jnp.sin(b)
+
+
+_mulsin.defvjp(lambda a, b: (a * jnp.sin(b), (a, b)), lambda r, g: (g * jnp.sin(r[1]), g * r[0] * jnp.cos(r[1])))
+
+
+def test_a_custom_vjp_on_widened_inputs_gets_checking_offs_gradient():
+    """Found by the program fuzzer: a switch on a "model"-varying index makes ``v`` vary over
+    "model"; a custom_vjp's bwd then returns x's cotangent varying over "model" where x does
+    not. JAX alone types ``v`` replicated and gets a wrong gradient; JAX refuses the bwd's
+    cotangent once ``v`` is typed soundly. reprules psums it over "model", as checking off does
+    (its exactness judged as for a kernel's custom_vjp)."""
+
+    def body(x):
+        v = jax.lax.switch(jax.lax.axis_index("model") % 2, [lambda: x * 2.0, lambda: x * 3.0])
+        return jax.lax.psum(_mulsin(v, x), "model")
+
+    x = put(randn(3, (8, 4)), MESH, P("data"))
+    grads = {check: jax.jit(jax.grad(_loss(lambda x, _: shard_map(body, MESH, P("data"), P("data"), check=check)(x))))(
+        x, None) for check in (True, False)}
+    np.testing.assert_allclose(grads[True], grads[False], rtol=1e-5)

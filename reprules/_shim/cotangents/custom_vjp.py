@@ -68,6 +68,9 @@ class Call:
     # on the rare path that traces the fwd again (fwd_involves_registered).
     fwd_leaves: list[Any] = dataclasses.field(default_factory=list)
     fwd_tree: Any = None
+    # Called where sound types cast values up (_types.widened_here): its inputs may vary
+    # over more axes than JAX alone types them, and its cotangents are fixed as a kernel's.
+    widened: bool = False
 
     @property
     def name(self) -> str:
@@ -146,6 +149,7 @@ def _wrap_call(original: Callable[..., Any], static_attr: str, field: TypeField)
             bwd=bwd,
             static=frozenset(getattr(self, static_attr, ()) or ()),
             with_logs=bool(getattr(self, "with_logs", False)),
+            widened=_types.widened_here(),
         )
         proxy = object.__new__(type(self))  # the user's object is left as it was
         proxy.__dict__.update(self.__dict__)  # (copy.copy would call custom_vjp.__new__)
@@ -196,7 +200,7 @@ def _fixed_bwd(fwd: Callable[..., Any], bwd: Callable[..., Any], call: Call, fie
             return bwd(*args)
         bwd_args = BwdArgs.of(args, call)
         staged = Staged.open(bwd_args)  # None: the bwd's equations cannot be read where they are staged
-        if call.watch.involved:  # the fwd traced a registered kernel's call
+        if call.watch.involved or call.widened:  # the fwd traced a registered kernel, or sound types widened
             return _traced_and_fixed(bwd, call, field, bwd_args, staged)
         own = _identity.Watch()
         with _identity.watching(own):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any, NamedTuple
@@ -239,3 +240,32 @@ def rep_manual_axes(mesh: Any) -> tuple[str, ...]:
                 return tuple(a for a in mesh.axis_names if a not in auto)
         frame = frame.f_back
     return tuple(mesh.axis_names)
+
+
+# The traces in which sound types cast a value up (a cond's operands, a loop's carries): a
+# custom_vjp called there may get inputs typed more varying than JAX alone would type them,
+# so its bwd may return a cotangent JAX refuses though checking off sums it (cotangents.custom_vjp).
+_widened: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def note_widened() -> None:
+    """Sound types cast a value up in the trace being built."""
+    try:
+        _widened.add(core.trace_ctx.trace)
+    except TypeError:  # (a trace that takes no weak reference)
+        pass
+
+
+def widened_here() -> bool:
+    """Whether sound types cast a value up in the current trace or one around it."""
+    trace = core.trace_ctx.trace
+    for _ in range(64):  # (the chain of traces is short; a bound against a cycle)
+        if trace is None:
+            return False
+        try:
+            if trace in _widened:
+                return True
+        except TypeError:
+            pass
+        trace = getattr(trace, "parent_trace", None)
+    return False

@@ -43,7 +43,7 @@ import jax
 from reprules._shim.plumbing import _jax
 from reprules._shim.plumbing._jax import core, lu, pe
 from reprules._shim.plumbing._patches import Patches
-from reprules._shim.plumbing._types import TypeField, cast_up, in_checked_shard_map, manual_axes
+from reprules._shim.plumbing._types import TypeField, cast_up, in_checked_shard_map, manual_axes, note_widened
 from reprules._shim.sound_types import opaque_types, out_specs_note
 
 _CONDITIONALS = "jax._src.lax.control_flow.conditionals"
@@ -120,7 +120,10 @@ def _up(field: TypeField, x: Any, axes: frozenset[str]) -> Any:
     if not _array(x):
         return x
     missing = axes - field.varying(jax.typeof(x))
-    return cast_up(x, missing) if missing else x
+    if not missing:
+        return x
+    note_widened()
+    return cast_up(x, missing)
 
 
 def _tree_up(field: TypeField, tree: Any, axes: frozenset[str]) -> Any:
