@@ -385,7 +385,8 @@ def _arm(pallas_call_module: object) -> None:
 
 def _arm_sound_types(jax_module: object) -> None:
     """Types rule-less opaque calls and control flow on a varying predicate soundly
-    (JAX 0.6+), from the moment JAX is imported. Never breaks the import."""
+    (JAX 0.6+; on JAX <= 0.5 the cond / while_loop / pmax rules), from the moment JAX is
+    imported. Never breaks the import."""
     shim = sys.modules.get("reprules._shim")
     if shim is not None and not hasattr(shim, "arm_sound_types"):
         _mode_state.sound_types_pending = True  # the shim imported JAX: it arms at its own end

@@ -257,3 +257,369 @@ def fuzz_seed() -> int:
         return int(given)
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
     return int(run[:8], 16) if run else int(time.time())
+
+
+# --- the hang invariant: no collective inside a branch or loop that devices take apart ----------
+_COLLECTIVE = re.compile(r"\b(?:stablehlo|mhlo)\.(?:all_reduce|all_gather|all_to_all|collective_permute|"
+                         r"reduce_scatter|collective_broadcast)\b")
+_BRANCHING = re.compile(r"\b(?:stablehlo|mhlo)\.(?:case|if|while)\b")
+# A symbol is bare (@solve) or quoted (@"<lambda>_0", as JAX names a lambda's function).
+_CALL = re.compile(r'\bcall @(?:"([^"]+)"|([\w.$-]+))')
+_FUNC = re.compile(r'^\s*func\.func\s+(?:\w+\s+)?@(?:"([^"]+)"|([\w.$-]+))')
+MESH_AXES = (("data", 4), ("model", 2))  # make_mesh()'s axes and sizes, device ids row-major
+
+
+def _collective_axes(line, mesh_axes=MESH_AXES):
+    """The mesh axes a collective's groups span: named (JAX 0.10+) or as device groups."""
+    named = re.findall(r'axis_ref<name = "(\w+)"', line)
+    if named:
+        return frozenset(named)
+    groups = re.search(r"replica_groups = dense<\[\[([\d, ]+)\]", line)
+    if not groups:
+        return frozenset(name for name, _ in mesh_axes)  # unknown: every axis
+    spanned = set()
+    for i in (int(i) for i in groups[1].split(",")):
+        coords = []
+        for _, size in reversed(mesh_axes):
+            coords.append(i % size)
+            i //= size
+        spanned.add(tuple(reversed(coords)))
+    return frozenset(name for k, (name, _) in enumerate(mesh_axes) if len({c[k] for c in spanned}) > 1)
+
+
+def collectives_under_branches(stablehlo, mesh_axes=MESH_AXES):
+    """The collectives a program runs inside a ``case`` (cond, switch), ``if`` or ``while``,
+    directly or through calls, as (line or ``call @f``, the mesh axes it spans). Where the
+    branch taken (or the trip count) differs across those axes, devices wait on each other
+    forever (the CPU runtime aborts the process after 40 s) or pair with another branch's."""
+    funcs = {}
+    name, stack = "", []
+    for line in stablehlo.splitlines():
+        found = _FUNC.match(line)
+        if found:
+            name, stack = found[1] or found[2], []
+            funcs[name] = ([], [], [])
+            continue
+        if name:
+            direct, callees, under = funcs[name]
+            branching = any(k == "branch" for k in stack)
+            if _COLLECTIVE.search(line):
+                direct.append(_collective_axes(line, mesh_axes))
+                if branching:
+                    under.append((line.strip()[:160], direct[-1]))
+            for quoted, bare in _CALL.findall(line):
+                callee = quoted or bare
+                callees.append(callee)
+                if branching:
+                    under.append((f"call @{callee}", callee))
+            net = line.count("{") - line.count("}")
+            kind = "branch" if _BRANCHING.search(line) else "other"
+            for _ in range(max(net, 0)):
+                stack.append(kind)
+            for _ in range(max(-net, 0)):
+                if stack:
+                    stack.pop()
+    spans = {}
+
+    def span(f, seen=frozenset()):
+        if f not in spans:
+            direct, callees, _ = funcs.get(f, ([], [], []))
+            spans[f] = frozenset().union(*direct, *(span(c, seen | {f}) for c in callees if c not in seen))
+        return spans[f]
+
+    bad = []
+    for _, _, under in funcs.values():
+        for what, axes in under:
+            axes = span(axes) if isinstance(axes, str) else axes
+            if axes:
+                bad.append((what, axes))
+    return bad
+
+
+def assert_no_collective_under_varying_branch(stablehlo, steered_axes, mesh_axes=MESH_AXES):
+    """The invariant of issue 45: with checking on, no collective of a forward or backward pass
+    sits inside a ``cond`` / ``switch`` / ``while`` whose predicate may vary over that
+    collective's axes (``steered_axes``: the axes the program's predicates and trip counts
+    vary over). Such a program deadlocks on hardware; it is read from its StableHLO
+    (``jax.jit(f).lower(...).as_text()``), never run.
+
+    Raises:
+        AssertionError: naming each such collective (its line, or ``call @f`` for a function
+            holding one) and the axes it spans.
+    """
+    found = collectives_under_varying_branches(stablehlo, steered_axes, mesh_axes)
+    assert not found, (
+        f"a collective inside a cond/switch/while whose predicate varies over {sorted(steered_axes)} "
+        "(devices that take another branch never join it): "
+        + "; ".join(f"{what} over {sorted(axes)}" for what, axes in found))
+
+
+
+# --- which axes each cond / switch / while predicate varies over, read from the StableHLO -------
+_DEF = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*(.*)$")
+_NAME = re.compile(r"%[\w.$-]+(?:#\d+)?")
+_CONST = re.compile(r"stablehlo\.constant dense<(-?\d+)> : tensor<[a-z]*\d+>")
+_OP = re.compile(r'"?(?:stablehlo|mhlo)\.(\w+)')
+_TABLE_OPS = {"divide": lambda a, b: a // b if b else 0, "remainder": lambda a, b: a % b if b else 0,
+              "add": lambda a, b: a + b, "subtract": lambda a, b: a - b, "multiply": lambda a, b: a * b}
+
+
+def _table_axes(table, mesh_axes):
+    """The axes along which a per-device table (device ids row-major over ``mesh_axes``) differs."""
+    axes, stride = set(), 1
+    for name, size in reversed(mesh_axes):
+        if any(table[d] != table[d - ((d // stride) % size) * stride] for d in range(len(table))):
+            axes.add(name)
+        stride *= size
+    return frozenset(axes)
+
+
+class _Varying:
+    """One pass over a module's StableHLO: the mesh axes each value may vary over (a sound
+    over-approximation: the sources are ``partition_id`` -- followed exactly through
+    ``axis_index``'s divide and remainder -- and each manual computation's inputs, by their
+    ``in_shardings``, or by the forward pass's values where a backward pass reads its residuals;
+    a collective removes the axes it reduces over), and for each ``case`` / ``if`` / ``while``
+    the axes its index, predicate or trip count may vary over."""
+
+    def __init__(self, mesh_axes, func_args, func_inside, func_returns, loops):
+        self.mesh_axes, self.every = mesh_axes, frozenset(name for name, _ in mesh_axes)
+        self.devices = 1
+        for _, size in mesh_axes:
+            self.devices *= size
+        self.func_args, self.func_inside = func_args, func_inside  # from the pass before
+        self.func_returns, self.new_returns = func_returns, {}
+        self.loops, self.new_loops = loops, {}  # a while's carries as its body returns them, by op id
+        self.region, self.carries, self.returns = {}, {}, {}
+        self.new_args, self.new_inside = {}, {}
+        self.taint, self.tables, self.consts, self.mc_results = {}, {}, {}, {}
+        self.preds, self.inside, self.results, self.kinds = [], [], [], []
+        self.collectives, self.calls = [], []  # (what, axes or callee, enclosing op ids)
+        self.frames, self.pending, self.func, self.public_args = [], None, "", set()
+
+    def of(self, token):
+        base, _, k = token.partition("#")
+        if (base, k) in self.mc_results:
+            return self.mc_results[base, k]
+        if base in self.tables:
+            return _table_axes(self.tables[base], self.mesh_axes)
+        return self.taint.get(base, frozenset())
+
+    def define(self, base, value, table=None):
+        self.tables.pop(base, None)
+        for key in [key for key in self.mc_results if key[0] == base]:
+            del self.mc_results[key]
+        if table is not None:
+            self.tables[base] = table
+            value = _table_axes(table, self.mesh_axes)
+        self.taint[base] = value
+        self.new_inside.setdefault(self.func, set()).update(value)
+        for kind, payload in self.frames:
+            if kind == "op":
+                self.inside[payload] |= value
+
+    def sharded_axes(self, line):
+        """The axes a GSPMD sharding annotation splits a value over (every axis if unread)."""
+        if 'mhlo.sharding = "{replicated}"' in line:
+            return frozenset()
+        found = re.search(r"devices=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?( last_tile_dim_replicate)?", line)
+        if not found:
+            return self.every
+        dims = [int(d) for d in found[1].split(",")]
+        order = np.arange(self.devices).reshape([int(d) for d in found[2].split(",")])
+        if found[3]:
+            order = order.transpose([int(d) for d in found[3].split(",")])
+        tiles = order.reshape(dims)
+        axes = set()
+        for k in range(len(dims) - (1 if found[4] else 0)):
+            table = [0] * self.devices
+            for index in np.ndindex(*dims):
+                table[int(tiles[index])] = index[k]
+            axes |= _table_axes(table, self.mesh_axes)
+        return frozenset(axes)
+
+    def enclosing(self):
+        return [payload for kind, payload in self.frames if kind == "op"]
+
+    def run(self, stablehlo):
+        for line in stablehlo.splitlines():
+            found = _FUNC.match(line)
+            if found:
+                self.func, self.frames, self.pending = found[1] or found[2], [], None
+                self.taint, self.tables, self.consts, self.mc_results = {}, {}, {}, {}  # names are per function
+                public = "public" in line.split("@")[0]
+                known = self.func_args.get(self.func, {})
+                self.public_args = set()
+                for i, arg in enumerate(re.findall(r"(%[\w.$-]+):", line.split(")")[0])):
+                    self.define(arg, self.every if public else known.get(i, frozenset()))
+                    if public:
+                        self.public_args.add(arg)
+                continue
+            if self.func:
+                self.line(line)
+        return self
+
+    def line(self, line):
+        got = _DEF.match(line)
+        opened = ("other", None)
+        if got:
+            base, rest = got[1], got[2]
+            head = rest.split(" : ")[0]
+            operands = _NAME.findall(head)
+            op = _OP.match(rest)
+            op = op[1] if op else ""
+            const = _CONST.search(rest)
+            args = [t.partition("#")[0] for t in operands]
+            if const:
+                self.consts[base] = int(const[1])
+                self.define(base, frozenset())
+            elif op in ("partition_id", "replica_id"):
+                self.define(base, frozenset(), table=tuple(range(self.devices)))
+            elif op == "convert" and args and args[0] in self.tables:
+                self.define(base, frozenset(), table=self.tables[args[0]])
+            elif op in _TABLE_OPS and len(args) == 2 and args[0] in self.tables and args[1] in self.consts:
+                b = self.consts[args[1]]
+                self.define(base, frozenset(), table=tuple(_TABLE_OPS[op](v, b) for v in self.tables[args[0]]))
+            elif "custom_call @Sharding(" in rest and args and args[0] in self.public_args:
+                self.define(base, self.sharded_axes(rest))  # GSPMD (JAX <= 0.6): an input's sharding
+            elif _COLLECTIVE.search(rest):
+                axes = _collective_axes(rest, self.mesh_axes)
+                self.collectives.append((line.strip()[:160], axes, self.enclosing()))
+                self.define(base, frozenset().union(*map(self.of, operands)) - axes)
+            elif "manual_computation" in rest:
+                shardings = re.findall(r"<@[\w.$-]+, \[(.*?)\]>", rest.split("out_shardings")[0])
+                inputs = _NAME.findall(rest.split(")")[0])
+                for k, arg in enumerate(re.findall(r"(%arg\d+):", rest.split("manual_axes")[-1])):
+                    source = inputs[k].partition("#") if k < len(inputs) else ("", "", "")
+                    if (source[0], source[2]) in self.mc_results:  # a residual of the forward pass
+                        self.define(arg, self.mc_results[source[0], source[2]])
+                    elif k < len(shardings):
+                        self.define(arg, frozenset(re.findall(r'"(\w+)"', shardings[k])))
+                    else:
+                        self.define(arg, self.every)
+                opened = ("mc", base)
+            elif op in ("case", "if"):
+                self.preds.append(frozenset().union(*map(self.of, operands)))
+                self.inside.append(set())
+                self.results.append(base)
+                self.kinds.append(op)
+                opened = ("op", len(self.preds) - 1)
+            elif op == "while":
+                pairs = re.findall(r"(%[\w.$-]+) = (%[\w.$-]+(?:#\d+)?)", head)
+                i = len(self.preds)
+                looped = self.loops.get(i, [frozenset()] * len(pairs))
+                carries = [self.of(v) | looped[k] for k, (_, v) in enumerate(pairs)]
+                for (carry, _), value in zip(pairs, carries):  # each as the body returns it (a fixed point)
+                    self.define(carry, value)
+                self.preds.append(frozenset())  # its `cond` region's result, when read
+                self.inside.append(set())
+                self.results.append(base)
+                self.kinds.append(op)
+                self.carries[i], self.region[i] = carries, "cond"
+                self.pending = i
+            else:
+                value = frozenset().union(*map(self.of, operands))
+                callee = _CALL.search(rest)
+                if callee:
+                    callee = callee[1] or callee[2]
+                    slots = self.new_args.setdefault(callee, {})
+                    for i, t in enumerate(o for o in operands if not o.startswith("%@")):
+                        slots[i] = slots.get(i, frozenset()) | self.of(t)
+                    value |= frozenset(self.func_inside.get(callee, ()))
+                    self.calls.append((f"call @{callee}", callee, self.enclosing()))
+                self.define(base, value)
+                for k, returned in enumerate(self.func_returns.get(callee, ()) if callee else ()):
+                    self.mc_results[base, str(k)] = returned  # each result as its function returns it
+                    if k == 0:
+                        self.mc_results[base, ""] = returned
+        elif re.match(r"\s*\}\s*do\s*\{", line) and self.frames and self.frames[-1][0] == "op":
+            self.region[self.frames[-1][1]] = "do"
+        elif re.match(r"\s*\"?stablehlo\.return\b", line) and self.frames and self.frames[-1][0] == "op":
+            i = self.frames[-1][1]
+            returned = [self.of(t) for t in _NAME.findall(line.split(" : ")[0])]
+            if self.kinds[i] == "while" and self.region[i] == "cond":
+                self.preds[i] |= frozenset().union(*returned)
+            else:
+                before = self.returns.get(i, [frozenset()] * len(returned))
+                self.returns[i] = [a | b for a, b in zip(before, returned)]
+        elif re.match(r"\s*(?:func\.)?return\b", line):
+            returned = [self.of(t) for t in _NAME.findall(line.split(" : ")[0])]
+            before = self.new_returns.get(self.func, [frozenset()] * len(returned))
+            self.new_returns[self.func] = [a | b for a, b in zip(before, returned)]
+        elif "sdy.return" in line:
+            mc = next((payload for kind, payload in reversed(self.frames) if kind == "mc"), None)
+            if mc is not None:
+                for k, t in enumerate(_NAME.findall(line.split(" : ")[0])):
+                    self.mc_results[mc, str(k)] = self.of(t)
+        net = line.count("{") - line.count("}")
+        for _ in range(max(net, 0)):
+            if opened[0] == "other" and self.pending is not None:  # a while's `cond {`
+                opened, self.pending = ("op", self.pending), None
+            self.frames.append(opened)
+            opened = ("other", None)
+        for _ in range(max(-net, 0)):
+            if not self.frames:
+                break
+            kind, i = self.frames.pop()
+            if kind == "op" and ("op", i) not in self.frames:
+                returned = self.returns.get(i, [])
+                if self.kinds[i] == "while":
+                    self.new_loops[i] = returned
+                    results = [c | r for c, r in zip(self.carries[i], returned)] or self.carries[i]
+                else:
+                    results = [self.preds[i] | r for r in returned]
+                self.define(self.results[i], frozenset().union(self.preds[i], *results))
+                for k, value in enumerate(results):
+                    self.mc_results[self.results[i], str(k)] = value
+                if results:
+                    self.mc_results[self.results[i], ""] = results[0]
+
+
+def collectives_under_varying_branches(stablehlo, steered_axes=None, mesh_axes=MESH_AXES):
+    """The collectives a program runs inside a ``case`` (cond, switch), ``if`` or ``while``
+    (directly or through calls) whose index, predicate or trip count may vary over the
+    collective's axes, as (line or ``call @f``, the axes): devices that take apart there never
+    join it (a deadlock; the CPU runtime aborts after 40 s) or pair with another branch's.
+
+    The predicates' axes are read from the StableHLO itself (:class:`_Varying`), so a psum over
+    'data' inside a cond on ``axis_index("model")`` is fine. ``steered_axes``, where given, caps
+    them (the axes the program's predicates vary over, as its author knows them)."""
+    func_args, func_inside, func_returns, loops = {}, {}, {}, {}
+    for _ in range(12):  # functions' arguments and results, loops' carries: to a fixed point
+        found = _Varying(mesh_axes, func_args, func_inside, func_returns, loops).run(stablehlo)
+        new_args = {f: dict(v) for f, v in found.new_args.items()}
+        new_inside = {f: frozenset(v) for f, v in found.new_inside.items()}
+        new_loops = {i: [a | b for a, b in zip(found.new_loops[i], loops.get(i, found.new_loops[i]))]
+                     for i in found.new_loops}
+        if (new_args, new_inside, found.new_returns, new_loops) == (func_args, func_inside, func_returns, loops):
+            break
+        func_args, func_inside, func_returns, loops = new_args, new_inside, found.new_returns, new_loops
+    cap = frozenset(steered_axes) if steered_axes is not None else frozenset(name for name, _ in mesh_axes)
+    spans = {}
+    # The axes each function's collectives span, through its calls.
+    funcs = {}
+    name = ""
+    for line in stablehlo.splitlines():
+        got = _FUNC.match(line)
+        if got:
+            name = got[1] or got[2]
+            funcs[name] = ([], [])
+            continue
+        if name:
+            if _COLLECTIVE.search(line):
+                funcs[name][0].append(_collective_axes(line, mesh_axes))
+            funcs[name][1].extend(q or b for q, b in _CALL.findall(line))
+
+    def span(f, seen=frozenset()):
+        if f not in spans:
+            own, calls = funcs.get(f, ([], []))
+            spans[f] = frozenset().union(*own, *(span(c, seen | {f}) for c in calls if c not in seen))
+        return spans[f]
+
+    bad = []
+    for what, axes, ops in found.collectives + found.calls:
+        axes = span(axes) if isinstance(axes, str) else axes
+        steering = frozenset().union(*(found.preds[i] for i in ops)) & cap
+        if axes & steering:
+            bad.append((what, axes))
+    return bad

@@ -24,37 +24,18 @@ SEED = fuzz_seed()
 COUNT = int(os.environ.get("REPRULES_PROGRAM_FUZZ_COUNT") or (200 if NEWEST else 50))
 CHUNK = 10
 
-# Counterexample classes (fuzz_programs.classify: the known bugs' hazards a program holds) of
-# bugs known and still open: a chunk whose every counterexample falls in these is an xfail that
-# names them, any other counterexample fails. Remove a class once its bug is fixed; the
-# minimized cases are strict xfails in tests/test_program_counterexamples.py.
-# Open (measured; each reported from the StableHLO, never run):
-# - "while": a while_loop whose trip count varies over 'data' with carries already varying, whose
-#   lowering with checking on holds a collective inside the loop (seed 1795778273, program 14, JAX
-#   0.12.0.1, with and without the upgrade flags).
-# - "cond" (with "opaque"): a cond on a varying predicate with a replicated operand whose branch holds
-#   a custom_vjp call, which reprules cannot retype: JAX's own cond is kept, and its transpose psums
-#   that operand's cotangent inside the branch (JAX 0.6 - 0.7, and 0.12 under jax_custom_vjp3: seed
-#   1234 programs 70 and 128 on 0.6.2; seed 1795778273 program 198). On 0.4.38 - 0.5.x, nested
-#   conds whose branches JAX's check_rep rewrite casts inside (seed 7, program 38). On 0.8+ with
-#   JAX's default flags: 1 in 700 programs (seeds 1234, 99, 7, 1795777765, 1795778870; below).
-# - "cond" on every version: seed 1795778870, program 5 (0.12.0.1, no custom_vjp in the branch): a
-#   psum over 'model' inside a cond whose predicate (the sum of a replicated kernel output) the
-#   StableHLO check takes as varying over 'model'. Not yet known whether the check is too
-#   conservative there or reprules keeps JAX's cond where it should cast; open.
-COLLECTIVE_IN_BRANCH = "checking on puts a collective over"  # fuzz_programs' wording of that symptom
-KNOWN_OPEN: dict[str, str] = {
-    "while": "a collective inside a while_loop whose trip count varies (carries already varying)",
-    "cond": "a collective inside a cond branch on a varying predicate (a custom_vjp in the branch, which "
-            "reprules cannot retype; 0.4.38 - 0.5: nested conds; seed 1795778870 program 5)",
-    "opaque": "(with cond) an FFI call or primitive in such a branch",
-}
+# No class is xfailed: every counterexample fails its chunk (a wrong value or gradient, an
+# accepted out_specs claim, a collective inside a branch devices take apart, or a false refusal).
+# Measured with the grown grammar (issue 42 item 7, issue 45) before the fixes they found: JAX
+# 0.12.0.1, 8 in 530 programs (1.5%: branches differing only in their varying axes, a psum over
+# axes a widened value partly varies over, a custom_vjp bwd on widened inputs, each now fixed and
+# a test in tests/test_retrace.py); after them, the counts in CHANGELOG.md (stop 41's note).
 
 
 @pytest.mark.parametrize("start", range(0, COUNT, CHUNK), ids=lambda s: f"programs{s}-{s + CHUNK - 1}")
 def test_checking_on_is_never_worse_than_checking_off(mesh, start):
     print(f"program fuzzer: REPRULES_FUZZ_SEED={SEED}, programs {start}..{min(start + CHUNK, COUNT) - 1}")
-    failures, known = [], []
+    failures = []
     for index in range(start, min(start + CHUNK, COUNT)):
         program = fuzz_programs.generate(SEED, index)
         try:
@@ -65,19 +46,10 @@ def test_checking_on_is_never_worse_than_checking_off(mesh, start):
         failures += [f"{error}\n{program.describe()}" for error in got.errors]
         if got.counterexamples:
             kind = fuzz_programs.classify(program)
-            report = f"[{kind}] " + "; ".join(got.counterexamples) + "\n" + program.describe()
-            # Only the open bugs' own symptom (a collective inside a branch or loop devices take
-            # apart) is known: a wrong value or gradient, or an accepted out_specs, always fails.
-            open_bug = set(kind.split("+")) <= set(KNOWN_OPEN) and all(
-                COLLECTIVE_IN_BRANCH in c for c in got.counterexamples)
-            (known if open_bug else failures).append(report)
+            failures.append(f"[{kind}] " + "; ".join(got.counterexamples) + "\n" + program.describe())
     replay = (f"fuzz seed {SEED} (replay: REPRULES_FUZZ_SEED={SEED}, or python tests/fuzz_programs.py "
               f"--seed {SEED} --start N --count 1 [--minimize]):\n\n")
-    assert not failures, replay + "\n\n".join(failures + known)
-    if known:
-        kinds = sorted({re.match(r"\[([^\]]*)\]", k)[1] for k in known})
-        pytest.xfail(f"{len(known)} counterexample(s) of known open bugs ({', '.join(kinds)}): "
-                     + replay + "\n\n".join(known))
+    assert not failures, replay + "\n\n".join(failures)
 
 
 def test_the_generator_covers_its_grammar():
@@ -87,9 +59,11 @@ def test_the_generator_covers_its_grammar():
     seen = set().union(*(p.constructs() for p in programs))
     wanted = {"leaf", "cond", "cond:operands", "switch", "while", "scan", "vmap", "jit", "collective",
               "axis_index", "nested", "custom_vjp", "diff", "stop_gradient",
+              "fori", "fori_dynamic", "map", "checkpoint", "custom_jvp", "linalg.solve", "jax.nn.relu",
+              "jax.nn.gelu", "jax.nn.softplus", "carry:zeros", "while:predicate_construct", "depth:4",
               "kernel:declared", "kernel:ruleless", "prim:declared", "prim:ruleless", "callback:ruleless",
               "mode:default", "mode:infer", "mode:no_infer"}
-    wanted |= {f"{k}:{p}" for k in ("cond", "switch", "while") for p in ("axis_index", "value", "constant")}
+    wanted |= {f"{k}:{p}" for k in ("cond", "switch", "while", "fori") for p in ("axis_index", "value", "constant")}
     if fuzz_programs.FEATURES["ffi"]:
         wanted |= {"ffi:declared", "ffi:ruleless"}
     assert sorted(wanted - seen) == []
@@ -104,6 +78,7 @@ def test_the_generator_covers_its_grammar():
     sources = "\n".join(p.source for p in programs)
     for call in ("jax.lax.cond(", "jax.lax.switch(", "jax.lax.while_loop(", "jax.lax.scan(", "jax.vmap(",
                  "jax.jit(", "jax.lax.psum(", "jax.lax.pmean(", "jax.lax.axis_index(", "cvjp_mulsin(",
+                 "cjvp_sinmul(", "jax.lax.fori_loop(", "jax.lax.map(", "jax.checkpoint(", "jnp.linalg.solve(",
                  "kernel_op(", "prim_op(", "callback_op("):
         assert call in sources, call
 
@@ -176,3 +151,49 @@ module @jit_f {
 """
     assert fuzz_programs.collectives_under_branches(text) == [("call @inner", frozenset({"model"}))]
     assert fuzz_programs.collectives_under_branches(text.replace("func.call @inner", "func.call @other")) == []
+
+
+def test_the_hang_detector_reads_quoted_function_names():
+    """JAX names a lambda's function with quotes (@"<lambda>_0"): its collectives are its own,
+    not the function before it (seed 7 program 8 on 0.12: a psum over 'model' in a lambda was
+    taken for one inside jnp.linalg.solve, called from a branch on a 'model'-varying predicate)."""
+    from helpers import assert_no_collective_under_varying_branch
+
+    text = """\
+module @jit_f {
+  func.func public @main(%arg0: tensor<4xf32>, %i: tensor<i32>) -> tensor<4xf32> {
+    %1 = "stablehlo.case"(%i) ({
+      %2 = func.call @solve(%arg0) : (tensor<4xf32>) -> tensor<4xf32>
+      stablehlo.return %2 : tensor<4xf32>
+    }, {
+      %3 = func.call @"<lambda>_1"(%arg0) : (tensor<4xf32>) -> tensor<4xf32>
+      stablehlo.return %3 : tensor<4xf32>
+    }) : (tensor<i32>) -> tensor<4xf32>
+    %4 = func.call @"<lambda>_0"(%1) : (tensor<4xf32>) -> tensor<4xf32>
+    return %4 : tensor<4xf32>
+  }
+  func.func private @solve(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    return %arg0 : tensor<4xf32>
+  }
+  func.func private @"<lambda>_0"(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = "stablehlo.all_reduce"(%arg0) <{replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>}> ({
+    ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+      %s = stablehlo.add %a, %b : tensor<f32>
+      stablehlo.return %s : tensor<f32>
+    }) : (tensor<4xf32>) -> tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+  func.func private @"<lambda>_1"(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = "stablehlo.all_reduce"(%arg0) <{replica_groups = dense<[[0, 2, 4, 6]]> : tensor<1x4xi64>}> ({
+    ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+      %s = stablehlo.add %a, %b : tensor<f32>
+      stablehlo.return %s : tensor<f32>
+    }) : (tensor<4xf32>) -> tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+}
+"""
+    assert fuzz_programs.collectives_under_branches(text) == [("call @<lambda>_1", frozenset({"data"}))]
+    assert_no_collective_under_varying_branch(text, {"model"})  # the 'data' psum: devices agree there
+    with pytest.raises(AssertionError, match=r"<lambda>_1 over \['data'\]"):
+        assert_no_collective_under_varying_branch(text, {"data"})

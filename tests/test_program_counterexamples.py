@@ -165,3 +165,57 @@ def test_while_loop_with_a_data_varying_trip_count_is_not_replicated(mesh):
 
     outcome, _ = _run(shard_map(body, mesh, (P(),), P()), _x(4, 1), steered=["data"])
     assert outcome == "refused"
+
+
+# -- the grown grammar (issue 42 item 7, issue 45): control flow holding anything ---------------
+# Each was a counterexample of the fuzzer's hang check, not of reprules: the check read a
+# lambda's collectives (JAX names its function @"<lambda>_0", quoted) as the function's before
+# it, and took every while loop (a scan's too) for one whose trip count varies. It reads the
+# StableHLO's own predicates now (helpers.collectives_under_varying_branches); each program
+# runs through the fuzzer's whole oracle: values, gradients, no collective under a branch.
+
+
+def _fuzz_program(inputs, lines, outputs, out_specs, preds):
+    """A fuzz_programs.Program from its statements; ``preds``: var -> (operands its predicate
+    reads, axes it reads by itself)."""
+    import re
+
+    import fuzz_programs
+
+    stmts = []
+    for line in lines:
+        var, text = line.split(" = ", 1)
+        operands = list(dict.fromkeys(re.findall(r"\b[xv]\d+\b", text)))
+        reads, axes = preds.get(var, ((), ()))
+        stmts.append(fuzz_programs.Stmt(var, text, operands, loops=("cond",) if var in preds else (),
+                                        pred_operands=tuple(operands.index(o) for o in reads),
+                                        pred_axes=frozenset(axes)))
+    return fuzz_programs.Program(0, 0, "default", [], inputs, stmts, outputs, out_specs)
+
+
+GROWN = {
+    # seed 7 program 8 (JAX 0.12.0.1): jnp.linalg.solve in a branch on axis_index("model").
+    "solve in a cond on axis_index": _fuzz_program(
+        [(), ("data",)],
+        ["v1 = jax.lax.cond(jax.lax.axis_index('model') == 1, lambda p1, q2: p1 * 0.5 - q2, lambda p1, q2: "
+         "jnp.linalg.solve(jnp.eye(4) * 4.0 + jnp.tanh(q2[:, :4]) * 0.5, x0), x0, x1)",
+         "v4 = jax.jit(lambda p3, q4: p3 * 0.5 - q4)(x1, v1)",
+         "v5 = jax.lax.psum(v4, ('data', 'model'))"],
+        ["v5", "x0"], [(), ()], {"v1": ((), ("model",))}),
+    # seed 1234 program 124 (JAX 0.12.0.1): nested conds, a custom_jvp, lax.map (a while loop).
+    "nested conds and lax.map": _fuzz_program(
+        [("data",), ()],
+        ["v1 = jax.lax.cond(jnp.sum(x0) > 0.0, lambda: x0 * x1, lambda: jax.lax.cond(jax.lax.axis_index('data') "
+         "== 3, lambda: x1 + x0 + (x1 + x0) * 0.0, lambda: cjvp_sinmul(x0, x1) + (x0 + x1) * 0.0))",
+         "v2 = jax.lax.map(lambda r1: jax.nn.gelu(r1[0]) * r1[1], (x1, x0))",
+         "v3 = jax.lax.psum(v2, 'data')"],
+        ["v3", "v1"], [("data",), ("data",)], {"v1": (("x0",), ("data",))}),
+}
+
+
+@pytest.mark.parametrize("name", GROWN)
+def test_grown_grammar_program_is_exact(mesh, name):
+    import fuzz_programs
+
+    got = fuzz_programs.check(GROWN[name], mesh)
+    assert (got.counterexamples, got.errors) == ([], []), GROWN[name].source

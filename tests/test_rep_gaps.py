@@ -1,10 +1,10 @@
-"""JAX's own check_rep gaps on JAX <= 0.5, filled while reprules is active (issue 10).
+"""JAX's own check_rep gaps on JAX <= 0.5, filled from ``import reprules`` (issues 10, 45).
 
 Ordinary ``jnp`` programs with ``cond``, ``switch``, a dynamic ``while_loop`` or
-``pmax`` fail under ``check_rep=True`` on these releases. With reprules active
-(a rule registered for some kernel) they run, with values and gradients equal
-to an unsharded reference and psums over ``data`` only. On JAX >= 0.6 the same
-programs run with JAX alone, and reprules changes nothing.
+``pmax`` fail under ``check_rep=True`` on these releases. With reprules imported
+(the rep era's sound types, a rule registered or not) they run, with values and
+gradients equal to an unsharded reference and psums over ``data`` only. On JAX
+>= 0.6 the same programs run with JAX alone, and reprules changes nothing.
 """
 
 import jax
@@ -15,6 +15,7 @@ from helpers import NEW_SHARD_MAP, make_mesh, max_err, psum_axes, put, randn, sh
 from jax.sharding import PartitionSpec as P
 
 import reprules
+from reprules import _shim
 
 SHARDS = 4  # 'data' of the (4, 2) mesh
 
@@ -62,9 +63,19 @@ def _sharded(fn, mesh):
     return shard_map(fn, mesh, (P("data", None), P()), P("data", None))
 
 
+@pytest.fixture
+def jax_alone(dormant):
+    """JAX's own rules: the shim disarmed and its sound types (these rules) too."""
+    _shim.disarm_sound_types()
+    jax.clear_caches()
+    yield
+    _shim.arm_sound_types()
+    jax.clear_caches()
+
+
 @pytest.mark.skipif(NEW_SHARD_MAP, reason="JAX >= 0.6 has these rules itself (the test below covers it)")
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_jax_alone_refuses_these_programs(name, dormant):
+def test_jax_alone_refuses_these_programs(name, jax_alone):
     fn, differentiable, kind = PROGRAMS[name]
     mesh, x, w, _ = _data()
     if name == "cond" and jax.__version_info__ >= (0, 4, 38):
@@ -84,13 +95,15 @@ def test_jax_alone_refuses_these_programs(name, dormant):
         run()
 
 
+@pytest.mark.parametrize("registered", [False, True], ids=["imported", "rule_registered"])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_runs_exactly_with_reprules_active(name):
+def test_runs_exactly_with_reprules_imported(name, registered, dormant):
     fn, differentiable, _ = PROGRAMS[name]
     if name == "cond_varying_predicate" and NEW_SHARD_MAP:
         pytest.skip("JAX >= 0.6 types cond branches: one that varies and one that does not is a type "
                     "error there (the user writes jax.lax.pvary)")
-    reprules.replication_rule()(unrelated_kernel)
+    if registered:  # the shim active as well: the rules are not installed twice
+        reprules.replication_rule()(unrelated_kernel)
     mesh, x, w, t = _data()
     f = _sharded(fn, mesh)
     xn, wn = jnp.asarray(np.asarray(x)), jnp.asarray(np.asarray(w))
@@ -108,7 +121,6 @@ def test_runs_exactly_with_reprules_active(name):
 def test_a_varying_predicate_keeps_collectives_out_of_the_branches():
     """Devices along 'data' may take different branches: a psum inside one
     branch only would deadlock, so the casts (and their psums) sit outside."""
-    reprules.replication_rule()(unrelated_kernel)
     mesh, x, w, t = _data()
     f = _sharded(PROGRAMS["cond_varying_predicate"][0], mesh)
     grad = jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1))

@@ -293,3 +293,49 @@ def test_a_custom_vjp_on_widened_inputs_gets_checking_offs_gradient():
     grads = {check: jax.jit(jax.grad(_loss(lambda x, _: shard_map(body, MESH, P("data"), P("data"), check=check)(x))))(
         x, None) for check in (True, False)}
     np.testing.assert_allclose(grads[True], grads[False], rtol=1e-5)
+
+
+def _opaque_double():
+    """A rule-less user primitive whose abstract eval drops the varying axes (typed on no mesh)."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    prim = Primitive("reprules_test_retrace_double")
+    prim.def_impl(lambda x: x * 2.0)
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(prim, mlir.lower_fun(lambda x: x * 2.0, multiple_results=False))
+    return prim
+
+
+OPAQUE_DOUBLE = _opaque_double()
+
+
+def test_a_closed_over_opaque_output_reaches_a_loop_in_a_branch():
+    """Found by the program fuzzer (seed 31, program 115): a rule-less primitive's output (its
+    type on no mesh) closed over by a while_loop holding a Pallas kernel, in a branch on a
+    varying predicate. It is cast up outside the cond like any value made where the cond is
+    called (before: left to the bind hook, which cannot retype the kernel: a false refusal)."""
+
+    def body(x, w):
+        v = OPAQUE_DOUBLE.bind(w)
+        looped = lambda: jax.lax.while_loop(  # noqa: E731
+            lambda c: c[0] < 3.0, lambda c: (c[0] + 1.0, c[1] * 0.5 + doubled(v)), (jnp.sum(v) * 0.0, jnp.zeros(v.shape)))[1]
+        return x + jax.lax.cond(_pred(x), looped, lambda: v).sum(0)
+
+    x, w, _ = _inputs()
+    on = jax.jit(_sharded(body, True))(x, w)
+    np.testing.assert_allclose(on, jax.jit(_sharded(body, False))(x, w), rtol=1e-6)
+
+
+def test_two_vmapped_arguments_over_one_array_closed_over_by_a_branch():
+    """Found by the program fuzzer (seed 2026, program 264): under ``vmap`` two arguments are
+    batches of the same array; both are cast before either's type is swapped (a cast made
+    after the other's swap saw the shared array as varying already, and JAX refused it)."""
+
+    def body(x, w):
+        return x + jax.vmap(lambda p, q: jax.lax.cond(_pred(x), lambda: jnp.sin(p) * q, lambda: p - q))(w, w).sum(0)
+
+    x, w, x_host = _inputs()
+    grads = {check: jax.jit(jax.grad(_loss(_sharded(body, check)), argnums=(0, 1)))(x, w) for check in (True, False)}
+    for got, want in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False])):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))

@@ -200,8 +200,10 @@ def sync_strict() -> None:
 
 def arm_sound_types() -> None:
     """Installs the sound typing of rule-less opaque calls and of control flow on a
-    varying predicate (vma and mat eras; JAX <= 0.5 refuses or rewrites those itself).
-    Held while reprules is imported: it changes only types JAX has provably too small."""
+    varying predicate (vma and mat eras; the rep era, where JAX refuses rule-less calls
+    itself: its ``cond`` / ``while_loop`` / ``pmax`` rules, ``eras.rep_gaps``). Held while
+    reprules is imported: it changes only types JAX has provably too small (and, on the rep
+    era, programs JAX would refuse)."""
     global _sound_patches
     with _lock:
         module = regime()

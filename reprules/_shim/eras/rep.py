@@ -10,6 +10,10 @@ the kernel's own rule. The ``register_*`` helpers are first-wins
 
 Rules are told only the *manual* axes of the enclosing ``shard_map``
 (``_types.rep_manual_axes``), as from 0.6; JAX's own rules see the whole mesh.
+
+JAX's own ``cond`` / ``while_loop`` / ``pmax`` gaps (``rep_gaps``: a ``cond`` on a
+varying predicate cast up before it, jax#40823) are this era's sound types,
+installed at ``import reprules`` (``install_sound_types``), Pallas imported or not.
 """
 
 from __future__ import annotations
@@ -215,4 +219,12 @@ def install(patches: Patches) -> None:
         attach(ffi, patches)
     _pallas_hooks.install_pallas_hooks(patches)  # rules dispatch by kernel jaxpr: nothing to apply at bind
     custom_vjp_rep.install(patches)  # mixed cotangents JAX would over-count: refused
-    rep_gaps.install(patches)  # cond, while, pmax: JAX's own missing rules
+    if not rep_gaps.held():  # REPRULES_DORMANT=1 (not armed at import): held while rules are, as before
+        rep_gaps.install(patches)
+
+
+def install_sound_types(patches: Patches) -> None:
+    """``cond`` / ``switch`` on a varying predicate cast up before the ``cond`` (jax#40823),
+    and JAX's missing ``cond`` / ``while_loop`` / ``pmax`` rules (``rep_gaps``): installed at
+    ``import reprules``, Pallas imported or not, as the vma and mat eras' sound types are."""
+    rep_gaps.install(patches)

@@ -1,19 +1,21 @@
 """JAX's own ``check_rep`` gaps on the rep regime (JAX 0.4.28 - 0.5.x), filled
-while reprules is active.
+from ``import reprules`` (the rep era's sound types, Pallas imported or not).
 
 Ordinary programs fail under ``check_rep=True`` on these releases for reasons
 that have nothing to do with kernels, so users turn checking off and the
 defensive all-reduces come back. reprules installs the missing rules, and each
-one changes behaviour only where JAX would otherwise raise:
+one changes behaviour only where JAX would otherwise raise, or (the ``cond``
+rewrite on a varying predicate) put a collective inside a branch:
 
 * ``cond`` / ``switch``: 0.4.28 has no rule at all ("No replication rule for
   cond"); 0.4.38 - 0.5.x raise when the branches' replication differs, and
   their rewrite of a ``cond`` on a varying predicate casts replicated operands
   inside each branch (jax#40823: the gradient psums inside the branch each
-  device took). Filled, and that rewrite replaced, with JAX's own later rule: an output is replicated over the axes on which
-  every branch's output, and the predicate, are replicated; operands are cast
-  up before the ``cond`` over the axes the predicate varies over, so that no
-  branch holds a collective that only some devices would reach (a deadlock).
+  device took, a collective only some devices run: XLA:CPU hangs). Filled, and
+  that rewrite replaced, with JAX's own later rule: an output is replicated over
+  the axes on which every branch's output, and the predicate, are replicated;
+  operands are cast up before the ``cond`` over the axes the predicate varies
+  over, so that no branch holds a collective that only some devices would reach.
 * ``while_loop`` with a dynamic bound: no rule on any rep release. A carry is
   replicated over the axes on which its initial value, the body's output and
   the predicate all are (a fixed point, as JAX's ``scan`` rule computes it).
@@ -21,7 +23,10 @@ one changes behaviour only where JAX would otherwise raise:
   reduced axes (JAX 0.4.38's rule).
 
 Rules reprules adds where JAX has none are installed only in that case; JAX's
-``cond`` check rule is called first and replaced only when it raises.
+``cond`` check rule is called first and replaced only when it raises. With
+``REPRULES_SOUND_TYPES=0`` (read when a function is traced) JAX's ``cond``
+rewrite is used wherever JAX's rules accept the program; only what JAX would
+refuse is still filled.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from reprules import _mode_state
 from reprules._shim.plumbing import _jax
 from reprules._shim.plumbing._patches import Patches
 
 Rep = set[str] | None  # None: a literal, replicated everywhere
+_MARK = "_reprules_rep_gaps"  # on the cond check rule installed here (kept by the patch guard's wraps)
 
 
 def install(patches: Patches) -> None:
@@ -43,7 +50,9 @@ def install(patches: Patches) -> None:
 
     checks, rewrites = sm._check_rules, sm._rewrite_rules  # type: ignore[attr-defined]  # JAX <= 0.5 only
     cond_p, while_p = conditionals.cond_p, loops.while_p
-    patches.setitem(checks, cond_p, _cond_check(checks.get(cond_p)), label="shard_map._check_rules[cond]")
+    cond_check = _cond_check(checks.get(cond_p))
+    setattr(cond_check, _MARK, True)
+    patches.setitem(checks, cond_p, cond_check, label="shard_map._check_rules[cond]")
     patches.setitem(rewrites, cond_p, _cond_rewrite(rewrites.get(cond_p)), label="shard_map._rewrite_rules[cond]")
     if while_p not in checks and while_p not in rewrites:
         patches.setitem(checks, while_p, _while_check, label="shard_map._check_rules[while]")
@@ -52,6 +61,16 @@ def install(patches: Patches) -> None:
         if prim not in checks and prim not in rewrites:
             patches.setitem(checks, prim, _reduction_check, label=f"shard_map._check_rules[{prim}]")
             patches.setitem(rewrites, prim, _reduction_rewrite(prim), label=f"shard_map._rewrite_rules[{prim}]")
+
+
+def held() -> bool:
+    """Whether these rules are in place (live patches), so that they are never installed twice."""
+    conditionals = _jax.module("jax._src.lax.control_flow.conditionals")
+    from jax.experimental import shard_map as sm
+
+    entry = sm._check_rules.get(conditionals.cond_p)  # type: ignore[attr-defined]  # JAX <= 0.5 only
+    guard = getattr(entry, "_reprules_guard", None)  # the Patches that installed it (_patches.Patches.guard)
+    return bool(getattr(entry, _MARK, False)) and (guard is None or guard.live)
 
 
 def _full(mesh: Any, r: Rep) -> set[str]:
@@ -94,7 +113,8 @@ def _cond_rewrite(jax_rule: Any) -> Any:
     refuses, a varying predicate) the operands are cast up *before* the
     ``cond`` over the axes the predicate varies over. Devices along such an
     axis may take different branches, so no branch may hold a collective over
-    it: the casts' transposes (the psums) stay outside the ``cond``."""
+    it: the casts' transposes (the psums) stay outside the ``cond``.
+    ``REPRULES_SOUND_TYPES=0``: JAX's rewrite wherever it has one and the branches agree."""
 
     def rewrite(mesh: Any, in_rep: Any, /, *args: Any, branches: Any, **params: Any) -> Any:
         conditionals = _jax.module("jax._src.lax.control_flow.conditionals")
@@ -107,7 +127,8 @@ def _cond_rewrite(jax_rule: Any) -> Any:
         # gradient came out 4, not 5). Only where no operand is replicated over such an axis.
         inside_is_safe = not any(set(r) & varying for r in args_rep)
         per_branch = [sm._replication_rewrite_nomatch(mesh, b, args_rep)[1] for b in branches]  # type: ignore[attr-defined]
-        if jax_rule is not None and inside_is_safe and all(r == per_branch[0] for r in per_branch):
+        jax_typing = inside_is_safe or not _mode_state.sound_types()
+        if jax_rule is not None and jax_typing and all(r == per_branch[0] for r in per_branch):
             return jax_rule(mesh, in_rep, *args, branches=branches, **params)
         operands = [args[0]] + [
             sm.pbroadcast(x, tuple(sorted(r & varying))) if r & varying else x  # type: ignore[attr-defined]

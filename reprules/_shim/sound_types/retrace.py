@@ -146,16 +146,20 @@ def _branches_traced(field: TypeField, funs: Sequence[Any], axes: frozenset[str]
         return call()
     casts: dict[int, Any] = {}
     swapped: list[tuple[Any, str, Any]] = []
+    here = _current_trace()
     try:
+        # Every cast first, then every swap: values may share what is under them (two vmapped
+        # arguments over one array), and a cast must see the types as they are.
+        pending = {}
         for x in _closed_over(funs):
-            if id(x) in casts or not _inside(x, axes) or not axes - field.varying(x.aval):
-                continue
-            cast = _outer_cast(field, x, axes)
+            if id(x) not in pending and _inside(x, axes, here) and axes - field.varying(x.aval):
+                pending[id(x)] = (x, _outer_cast(field, x, axes))
+        for key, (x, cast) in pending.items():
             held = _swap(field, x, field.varying(jax.typeof(cast)))
             if held is None:  # (a value whose type cannot be swapped: left to the bind hook)
                 continue
             swapped.extend(held)
-            casts[id(x)] = cast
+            casts[key] = cast
         _state.scopes.append(_Scope(casts))
         try:
             return call()
@@ -224,12 +228,14 @@ def _restore(held: Sequence[tuple[Any, str, Any]]) -> None:
         setattr(obj, attr, old)
 
 
-def _inside(x: Any, axes: frozenset[str]) -> bool:
-    """Whether ``x`` is a live value of the ``shard_map`` the ``cond`` is in (manual over
-    ``axes``), not of a ``jit`` around it, where no cast applies."""
+def _inside(x: Any, axes: frozenset[str], here: Any) -> bool:
+    """Whether ``x`` is a live value of the ``shard_map`` the ``cond`` is in: made in the
+    trace the ``cond`` is called in, or typed on a mesh manual over ``axes`` (not a value
+    of a ``jit`` around the ``shard_map``, where no cast applies). An opaque call's output
+    may be typed on no mesh at all."""
     mesh = getattr(getattr(x.aval, "sharding", None), "mesh", None)
     return (type(x.aval) is core.ShapedArray and x._trace.is_valid()
-            and axes <= frozenset(getattr(mesh, "manual_axes", ())))
+            and (x._trace is here or axes <= frozenset(getattr(mesh, "manual_axes", ()))))
 
 
 def _closed_over(funs: Sequence[Any]) -> list[Any]:
