@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import fuzz_programs
 import reprules
-from helpers import NEW_SHARD_MAP, make_mesh, psum_axes, put, randn, shard_map
+from helpers import NEW_SHARD_MAP, assert_no_collective_under_varying_branch, make_mesh, psum_axes, put, randn, shard_map
 
 pytestmark = pytest.mark.skipif(not NEW_SHARD_MAP, reason="the rep era (JAX <= 0.5) rewrites control flow "
                                 "in its check_rep rules (tests/test_rep_gaps.py, tests/test_rep_arming.py)")
@@ -339,3 +339,22 @@ def test_two_vmapped_arguments_over_one_array_closed_over_by_a_branch():
     grads = {check: jax.jit(jax.grad(_loss(_sharded(body, check)), argnums=(0, 1)))(x, w) for check in (True, False)}
     for got, want in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False])):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))
+
+
+def test_a_value_closed_over_by_nested_conds_on_different_axes():
+    """Found by the program fuzzer (seed 9001, program 41): a replicated value used in a switch
+    on a "model"-varying index inside a cond on a "data"-varying predicate. The inner switch
+    casts the outer cond's cast of it (typed over "data" there), not the value itself (a cast
+    of the replicated value typed over both axes: JAX's transpose refused its cotangent)."""
+
+    def body(x, w):
+        inner = lambda: jax.lax.switch(jax.lax.axis_index("model"), [lambda: w * 2.0, lambda: jnp.sin(w)])  # noqa: E731
+        return jax.lax.pmean(x + jax.lax.cond(_pred(x), inner, lambda: w * 3.0).sum(0), "model")
+
+    x, w, _ = _inputs()
+    grads = {check: jax.jit(jax.grad(_loss(_sharded(body, check)), argnums=(0, 1)))(x, w) for check in (True, False)}
+    for got, want in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False])):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))
+    text = jax.jit(jax.grad(_loss(_sharded(body, True)), argnums=1)).lower(x, w).as_text()
+    # (a collective over "model" may sit in the branch of the cond on "data": a model group takes it together)
+    assert_no_collective_under_varying_branch(text, {"data", "model"})

@@ -153,7 +153,8 @@ def _branches_traced(field: TypeField, funs: Sequence[Any], axes: frozenset[str]
         pending = {}
         for x in _closed_over(funs):
             if id(x) not in pending and _inside(x, axes, here) and axes - field.varying(x.aval):
-                pending[id(x)] = (x, _outer_cast(field, x, axes))
+                # (inside another cond's branch, x is typed as that cond's cast of it: cast the cast)
+                pending[id(x)] = (x, _outer_cast(field, _substitute(x), axes))
         for key, (x, cast) in pending.items():
             held = _swap(field, x, field.varying(jax.typeof(cast)))
             if held is None:  # (a value whose type cannot be swapped: left to the bind hook)
@@ -391,6 +392,15 @@ def _mixed_up(field: TypeField, x: Any, axes: frozenset[str]) -> Any:
     return _up(field, x, axes) if have & axes and axes - have else x
 
 
+def _substitute(x: Any) -> Any:
+    """What an enclosing cond's branches see for ``x``: its cast, or ``x`` itself."""
+    for scope in reversed(_state.scopes):
+        cast = scope.casts.get(id(x))
+        if cast is not None:
+            return cast
+    return x
+
+
 def _lift(field: TypeField, to_jaxpr_tracer: Callable[..., Any]) -> Callable[..., Any]:
     """JAX's lifting of a value into a traced function: inside a branch of a
     ``cond`` on a varying predicate, a value the branches close over is swapped
@@ -398,12 +408,7 @@ def _lift(field: TypeField, to_jaxpr_tracer: Callable[..., Any]) -> Callable[...
     outside the ``cond``."""
 
     def lift(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-        for scope in reversed(_state.scopes):
-            cast = scope.casts.get(id(x))
-            if cast is not None:
-                x = cast
-                break
-        return to_jaxpr_tracer(self, x, *args, **kwargs)
+        return to_jaxpr_tracer(self, _substitute(x) if _state.scopes else x, *args, **kwargs)
 
     return lift
 
