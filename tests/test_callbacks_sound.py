@@ -263,7 +263,7 @@ def test_the_switch_is_honoured_for_io_callback(data, monkeypatch):
         try:  # and the gradient silently wrong (0.6), or the pass-through bwd refused (0.8+)
             assert max_err(io_grad(mesh)(x, w), want) > 1.0
         except ValueError as err:
-            assert "Custom VJP bwd rule" in str(err)
+            assert re.search(r"Custom VJP bwd rule|the bwd rule attached to", str(err)), err  # (jax_custom_vjp3's)
         monkeypatch.setenv("REPRULES_SOUND_TYPES", "1")
         with pytest.raises(ValueError, match="out_specs"):
             jax.jit(f)(x)
