@@ -200,6 +200,9 @@ def _swap(field: TypeField, x: Any, varying: frozenset[str]) -> list[tuple[Any, 
     if pval is not None and not pval.is_known():  # a partial evaluation's unknown (JAX <= 0.7's grad)
         held.append((x, "pval", pval))
         x.pval = pe.PartialVal.unknown(field.retype(pval.get_aval(), varying))
+    elif _own(x, "_aval") is not None:  # JAX 0.9: the type behind a read-only `aval`
+        held.append((x, "_aval", x._aval))
+        x._aval = field.retype(x._aval, varying)
     else:
         try:
             old = x.aval
