@@ -296,8 +296,7 @@ def _branch(field: TypeField, fun: Callable[..., Any], axes: frozenset[str],
         out = fun(*operands)
         if joined is None:
             return _tree_up(field, out, axes)
-        leaves, treedef = jax.tree.flatten(out)
-        return jax.tree.unflatten(treedef, [_up(field, x, axes | j) for x, j in zip(leaves, joined)])
+        return _cast_each(field, out, [axes | j for j in joined])
 
     return branch
 
