@@ -175,7 +175,7 @@ def test_while_loop_with_a_data_varying_trip_count_is_not_replicated(mesh):
 # runs through the fuzzer's whole oracle: values, gradients, no collective under a branch.
 
 
-def _fuzz_program(inputs, lines, outputs, out_specs, preds):
+def _fuzz_program(inputs, lines, outputs, out_specs, preds, prologue=()):
     """A fuzz_programs.Program from its statements; ``preds``: var -> (operands its predicate
     reads, axes it reads by itself)."""
     import re
@@ -190,7 +190,7 @@ def _fuzz_program(inputs, lines, outputs, out_specs, preds):
         stmts.append(fuzz_programs.Stmt(var, text, operands, loops=("cond",) if var in preds else (),
                                         pred_operands=tuple(operands.index(o) for o in reads),
                                         pred_axes=frozenset(axes)))
-    return fuzz_programs.Program(0, 0, "default", [], inputs, stmts, outputs, out_specs)
+    return fuzz_programs.Program(0, 0, "default", list(prologue), inputs, stmts, outputs, out_specs)
 
 
 GROWN = {
@@ -210,6 +210,14 @@ GROWN = {
          "v2 = jax.lax.map(lambda r1: jax.nn.gelu(r1[0]) * r1[1], (x1, x0))",
          "v3 = jax.lax.psum(v2, 'data')"],
         ["v3", "v1"], [("data",), ("data",)], {"v1": (("x0",), ("data",))}),
+    # (JAX 0.6.2 and 0.7.2) a custom_vjp around a rule-less primitive: sound types typed its output
+    # varying over 'data', so the bwd's cotangent of the replicated x1 varied over 'data' and JAX's
+    # transpose refused it with a bare _RepError (0.6) / an out_specs error (0.7). It is psummed now,
+    # as for a kernel with a rule (JAX >= 0.8 alone refuses the bwd's type; reprules computes it).
+    "custom_vjp around a rule-less primitive": _fuzz_program(
+        [("data",), ()],
+        ["v2 = diff(prim_mul)(x0, x1)"],
+        ["v2"], [("data",)], {}, prologue=['prim_mul = prim_op("mul", "ruleless")']),
 }
 
 

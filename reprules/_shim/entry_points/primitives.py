@@ -86,6 +86,9 @@ def _bind_widened(field: TypeField, op: Opaque, abstract_eval: Any, bind: Any, a
     union = opaque_types.widening(field, avals[first:], outs)
     if union is None:
         return bind(*args, **params)
+    # Typed as by a rule: a custom_vjp around it gets reprules' exact psum of a cotangent varying
+    # over axes its primal does not (JAX 0.6 - 0.7 would send it on unpsummed, and its transpose refuses).
+    _identity.note_registered_call()
     opaque_types.warn(op, params, union, outs, field)
     out_specs_note.record(f"the {op.kind} {op.name(params)!r}, which has no rule", union)
     in_vary = [field.varying(a) for a in avals[first:]]
