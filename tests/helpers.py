@@ -526,6 +526,10 @@ class _Varying:
                     for i, t in enumerate(o for o in operands if not o.startswith("%@")):
                         slots[i] = slots.get(i, frozenset()) | self.of(t)
                     value |= frozenset(self.func_inside.get(callee, ()))
+                    if callee not in self.func_returns:
+                        # Its results from the bottom up, like every other value of the fixed point:
+                        # its operands' axes would stick in the loop carries that read them.
+                        value = frozenset()
                     self.calls.append((f"call @{callee}", callee, self.enclosing()))
                 self.define(base, value)
                 for k, returned in enumerate(self.func_returns.get(callee, ()) if callee else ()):
@@ -594,6 +598,8 @@ def collectives_under_varying_branches(stablehlo, steered_axes=None, mesh_axes=M
         if (new_args, new_inside, found.new_returns, new_loops) == (func_args, func_inside, func_returns, loops):
             break
         func_args, func_inside, func_returns, loops = new_args, new_inside, found.new_returns, new_loops
+    else:
+        raise AssertionError("collectives_under_varying_branches: no fixed point after 12 passes")
     cap = frozenset(steered_axes) if steered_axes is not None else frozenset(name for name, _ in mesh_axes)
     spans = {}
     # The axes each function's collectives span, through its calls.

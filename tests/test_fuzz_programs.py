@@ -200,3 +200,61 @@ module @jit_f {
     assert_no_collective_under_varying_branch(text, {"model"})  # the 'data' psum: devices agree there
     with pytest.raises(AssertionError, match=r"<lambda>_1 over \['data'\]"):
         assert_no_collective_under_varying_branch(text, {"data"})
+
+
+def test_the_hang_detector_joins_loop_carries_from_the_bottom_up():
+    """A backward pass's loop reads a residual the forward pass computed from ``axis_index('model')``;
+    a branch on it psums over 'data', where devices agree (seed 9001 program 0 on JAX 0.6.2: the
+    call's operands stood for its results until the callee's were known, and the loop carry kept
+    them: the index looked 'data'-varying). The same index from ``axis_index('data')`` is flagged."""
+    from helpers import assert_no_collective_under_varying_branch, collectives_under_varying_branches
+
+    text = """\
+module @jit_f {
+  func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = call @fwd(%arg0) : (tensor<4xf32>) -> tensor<i32>
+    %1 = call @bwd(%0, %arg0) : (tensor<i32>, tensor<4xf32>) -> tensor<4xf32>
+    return %1 : tensor<4xf32>
+  }
+  func.func private @fwd(%arg0: tensor<4xf32>) -> tensor<i32> {
+    %c = stablehlo.constant dense<DIVISOR> : tensor<ui32>
+    %c_0 = stablehlo.constant dense<2> : tensor<ui32>
+    %0 = stablehlo.partition_id : tensor<ui32>
+    %1 = stablehlo.divide %0, %c : tensor<ui32>
+    %2 = stablehlo.remainder %1, %c_0 : tensor<ui32>
+    %3 = stablehlo.convert %2 : (tensor<ui32>) -> tensor<i32>
+    return %3 : tensor<i32>
+  }
+  func.func private @bwd(%arg0: tensor<i32>, %arg1: tensor<4xf32>) -> tensor<4xf32> {
+    %c = stablehlo.constant dense<0> : tensor<i32>
+    %0:3 = stablehlo.while(%iterArg = %arg0, %iterArg_1 = %arg1, %iterArg_2 = %c) : tensor<i32>, tensor<4xf32>, tensor<i32>
+     cond {
+      %c_3 = stablehlo.constant dense<4> : tensor<i32>
+      %1 = stablehlo.compare  LT, %iterArg_2, %c_3,  SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+      stablehlo.return %1 : tensor<i1>
+    } do {
+      %1 = func.call @branch(%iterArg, %iterArg_1) : (tensor<i32>, tensor<4xf32>) -> tensor<4xf32>
+      %c_3 = stablehlo.constant dense<1> : tensor<i32>
+      %2 = stablehlo.add %iterArg_2, %c_3 : tensor<i32>
+      stablehlo.return %iterArg, %1, %2 : tensor<i32>, tensor<4xf32>, tensor<i32>
+    }
+    return %0#1 : tensor<4xf32>
+  }
+  func.func private @branch(%arg0: tensor<i32>, %arg1: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = "stablehlo.case"(%arg0) ({
+      %1 = "stablehlo.all_reduce"(%arg1) <{replica_groups = dense<[[0, 2, 4, 6], [1, 3, 5, 7]]> : tensor<2x4xi64>}> ({
+      ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+        %s = stablehlo.add %a, %b : tensor<f32>
+        stablehlo.return %s : tensor<f32>
+      }) : (tensor<4xf32>) -> tensor<4xf32>
+      stablehlo.return %1 : tensor<4xf32>
+    }, {
+      stablehlo.return %arg1 : tensor<4xf32>
+    }) : (tensor<i32>) -> tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+}
+"""
+    assert_no_collective_under_varying_branch(text.replace("DIVISOR", "1"), {"data", "model"})  # axis_index('model')
+    flagged = collectives_under_varying_branches(text.replace("DIVISOR", "2"))  # axis_index('data') % 2
+    assert [axes for _, axes in flagged] == [frozenset({"data"})], flagged
