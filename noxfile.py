@@ -63,8 +63,15 @@ def _install(session: nox.Session, *args: str) -> None:
     session.install(*args, env={"UV_COMPILE_BYTECODE": "1"})
 
 
+# The benchmark's smoke test (a minute of CPU) runs once per regime: it checks the script, whose
+# JAX-facing parts are reprules' own (tested in every session).
+BENCH_SMOKE_JAX = ["0.5.3", "0.9.2", JAX_MATRIX[-1]]
+BENCH_SMOKE = "tests/test_examples.py::test_benchmark_smoke"
+
+
 def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Sequence[str] = (),
-               env: dict[str, str] | None = None, deselect: Sequence[str] = ()) -> None:
+               env: dict[str, str] | None = None, deselect: Sequence[str] = (),
+               counts: tuple[str, str] | None = None) -> None:
     # jax-triton (optional) needs JAX >= 0.11 and imports on CPU from there; tokamax's
     # kernels are tested under inference on the newest JAX only (it pulls ~70 packages).
     extras = "test,triton" if tuple(map(int, jax.split(".")[:2])) >= (0, 11) else "test"
@@ -87,11 +94,14 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
     # The soundness fuzzer (tests/test_fuzz_inference.py): a seed that changes between runs,
     # printed here so that a failure can be replayed; 300 kernels on the newest JAX, 100 elsewhere.
     seed = os.environ.get("REPRULES_FUZZ_SEED") or str(int(time.time()) % 2**31)
-    count = os.environ.get("REPRULES_FUZZ_COUNT") or ("300" if jax == JAX_MATRIX[-1] else "100")
+    newest = jax == JAX_MATRIX[-1] and counts is None
+    count = os.environ.get("REPRULES_FUZZ_COUNT") or (counts[0] if counts else "300" if newest else "100")
     session.log(f"soundness fuzzer: REPRULES_FUZZ_SEED={seed}, {count} kernels on JAX {jax}")
     # The program fuzzer (tests/test_fuzz_programs.py): the same seed; 200 programs on the
     # newest JAX, 50 elsewhere.
-    programs = os.environ.get("REPRULES_PROGRAM_FUZZ_COUNT") or ("200" if jax == JAX_MATRIX[-1] else "50")
+    programs = os.environ.get("REPRULES_PROGRAM_FUZZ_COUNT") or (counts[1] if counts else "200" if newest else "50")
+    if jax not in BENCH_SMOKE_JAX:
+        deselect = [*deselect, BENCH_SMOKE]
     session.log(f"program fuzzer: REPRULES_FUZZ_SEED={seed}, {programs} programs on JAX {jax}")
     # One pytest-xdist worker per core (the tests are single-threaded Python, mostly tracing);
     # reprules' own modules and the tests may cache their bytecode too.
@@ -138,8 +148,17 @@ def tests_upgrade_flags(session: nox.Session) -> None:
     # Known open under jax_custom_vjp3 (JAX refuses, never silently wrong): MaxText's megablox bwd
     # returns the weight gradient typed varying over 'data' for a weight replicated there, and
     # reprules' custom_vjp cotangent fix (which psums it with vjp3 off) does not reach it.
-    _run_tests(session, jax, tokamax=True, env=UPGRADE_FLAGS, deselect=[
-        f"tests/test_maxtext.py::test_moe_gmm_forward_and_gradients[{route}-tokamax]" for route in ("ep", "fsdp")])
+    # The flags change how JAX differentiates (custom_vjp, custom_jvp, remat), so the suite runs
+    # without what the flags cannot change: the CLI, the HTML page, the docs' claims (forward
+    # only), the layering, the plugin's machinery and the second process of a multi-process run;
+    # the inference fuzzer (forward types) checks a tenth of its kernels, the program fuzzer (each
+    # program differentiated) the other versions' share.
+    unaffected = ["test_cli.py", "test_audit_html.py", "test_docs_claims.py", "test_layering.py", "test_plugin.py",
+                  "test_multiprocess.py"]
+    _run_tests(session, jax, tokamax=True, env=UPGRADE_FLAGS, counts=("30", "50"), deselect=[
+        BENCH_SMOKE, *(f"tests/test_maxtext.py::test_moe_gmm_forward_and_gradients[{route}-tokamax]"
+                       for route in ("ep", "fsdp"))],
+               files=["tests", *(arg for name in unaffected for arg in ("--ignore", f"tests/{name}"))])
     # (the benchmark's workloads use jax.nn.relu and gelu inside shard_map: refused by JAX there)
     session.run("python", "-m", "pytest", "-n", "auto", "tests/test_examples.py",
                 "--deselect", "tests/test_examples.py::test_benchmark_smoke",
