@@ -241,7 +241,7 @@ def assert_no_implicit_collectives(fn: Callable[..., Any], *args: Any, **kwargs:
     if report.implicit:
         n = len(report.implicit)
         lines = [f"{n} implicit collective{'s' if n > 1 else ''} around opaque kernels in {report.function} "
-                 f"({report.implicit_bytes} B per device per step; backend {report.backend}, JAX "
+                 f"({report.implicit_sent_bytes} B sent per device per step; backend {report.backend}, JAX "
                  f"{report.jax_version}):"]
         for c in report.implicit:
             lines.append(f"  - {c.describe()}")
@@ -282,7 +282,7 @@ def assert_no_cheaper_collectives(fn: Callable[..., Any], *args: Any, **kwargs: 
     if report.cheaper:
         n = len(report.cheaper)
         lines = [f"{n} collective{'s' if n > 1 else ''} with a cheaper equivalent in {report.function} "
-                 f"({report.savable_bytes} B per device per step could be saved; compiled for "
+                 f"({report.savable_bytes} B sent per device per step could be saved; compiled for "
                  f"{report.backend}, JAX {report.jax_version}):"]
         for c in report.cheaper:
             lines.append(f"  - {c.describe()}")

@@ -55,16 +55,18 @@ def test_the_text_report_shows_both_sections(comm_target, capsys):
     assert _cli.main(["audit", comm_target, "--quiet", "--strict"]) == 0  # --strict keeps its meaning
     out, _ = capsys.readouterr()
     assert all(len(line) <= 100 for line in out.splitlines())
-    assert re.search(r"\n +could be saved +1 \(2048 B\)\n", out)
-    assert re.search(r"\n +implicit \(XLA, kernels\) +1 \(4096 B\)\n", out)  # the (8, 128) operand, gathered
+    # Bytes sent (ring algorithms over the 4 'data' devices): the all-reduce of a 4096 B buffer sends
+    # 6144 B, the reduce-scatter that replaces it 3072 B; the (8, 128) operand gathered: 3072 B.
+    assert re.search(r"\n +could be saved +1 \(3072 B\)\n", out)
+    assert re.search(r"\n +implicit \(XLA, kernels\) +1 \(3072 B\)\n", out)
     assert re.search(r"\n +est\. time \(cpu\) +\S+ us\n", out)
     assert "implicit collectives (XLA, around opaque kernels), as given:" in out
-    assert re.search(r"all-gather +data +f32\[8,128\] +4096 ", out)
+    assert re.search(r"all-gather +data +f32\[8,128\] +4096 +3072 ", out)
     assert re.search(r"all-gather .* copy_kernel +comm_steps\.py:\d+ +predicted\n", out)
     flat = " ".join(out.split())  # the fix lines wrap
     assert "(pallas_call, predicted for a TPU/GPU compile): call copy_kernel inside jax.shard_map with " \
            "in_specs=P('data') for operand 0" in flat
-    assert re.search(r"all-reduce +data +4096 +2048 +2048 B, .* +reduce-scatter +comm_steps\.py:17", out)
+    assert re.search(r"all-reduce +data +6144 +3072 +3072 B, .* +reduce-scatter +comm_steps\.py:17", out)
     assert "fix: all-reduce at comm_steps.py:17: jax.lax.psum_scatter(x, 'data', scatter_dimension=0," in out
     assert "est. time: link model, cpu: 10 GB/s per device" in out
 
@@ -73,18 +75,21 @@ def test_strict_communication_fails_on_them(comm_target, capsys):
     assert _cli.main(["audit", comm_target, "--quiet", "--strict-communication"]) == 1
     _, err = capsys.readouterr()
     assert "reprules audit --strict-communication: 2 findings:" in err
-    assert "could be reduce-scatter (4096 B -> 2048 B)" in err and "implicit all-gather of 4096 B into kernel" in err
+    assert "could be reduce-scatter (6144 B sent -> 3072 B)" in err
+    assert "implicit all-gather sending 3072 B into kernel" in err
 
 
 def test_json_and_html(comm_target, capsys, tmp_path):
     page = tmp_path / "audit.html"
     assert _cli.main(["audit", comm_target, "--quiet", "--json", "--html", str(page), "--link", "100"]) == 0
     doc = json.loads(capsys.readouterr()[0])
-    assert doc["schema_version"] == _cli.SCHEMA_VERSION == 3
+    assert doc["schema_version"] == _cli.SCHEMA_VERSION == 4
     given = doc["workloads"][0]["given"]
-    assert (given["cheaper_count"], given["savable_bytes"], given["implicit_count"]) == (1, 2048, 1)
+    assert (given["cheaper_count"], given["savable_bytes"], given["implicit_count"]) == (1, 3072, 1)
     [c] = given["cheaper"]
-    assert (c["pattern"], c["bytes"], c["bytes_after"], c["saved_bytes"]) == ("own-slice", 4096, 2048, 2048)
+    assert (c["pattern"], c["bytes"], c["sent"], c["sent_after"], c["saved_bytes"]) == ("own-slice", 4096, 6144,
+                                                                                         3072, 3072)
+    assert given["implicit_sent_bytes"] == 3072
     assert c["source"].endswith("comm_steps.py:17") and c["backend"] == "cpu"
     [i] = given["implicit"]
     assert i["predicted"] and i["kernel"].endswith("copy_kernel") and i["in_specs"] == "P('data')"

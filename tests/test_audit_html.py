@@ -245,9 +245,9 @@ def test_chart_bars_are_in_proportion(rendered):
         for key in ("off", "on"):
             drawn = {s: sum(b["w"] for b in bars if b["variant"] == key and b["status"] == s)
                      for s in ("defensive", "needed")}
-            defensive, total = w[key]["defensive_bytes"], w[key]["bytes"]
+            defensive, total = w[key]["defensive_sent_bytes"], w[key]["sent_bytes"]  # bytes each device sends
             assert (drawn["defensive"] > 0) == (defensive > 0) and (drawn["needed"] > 0) == (total > defensive)
-            peak = max(w["off"]["bytes"], w["on"]["bytes"])
+            peak = max(w["off"]["sent_bytes"], w["on"]["sent_bytes"])
             full = max(b["w"] + b["x"] for b in bars) - min(b["x"] for b in bars)
             assert abs(sum(drawn.values()) - full * total / peak) <= 1.0, (w["name"], key, drawn)
         colors = {b["status"]: b["fill"] for b in bars}
@@ -257,9 +257,9 @@ def test_chart_bars_are_in_proportion(rendered):
     assert [(b["variant"], b["status"]) for b in issue] == [("off", "defensive")]
     off = sum(b["w"] for b in mlp if b["variant"] == "off")
     on = sum(b["w"] for b in mlp if b["variant"] == "on")
-    assert on / off == pytest.approx(9216 / 9728, abs=0.01)
+    assert on / off == pytest.approx(13312 / 13824, abs=0.01)  # the audit's text report, by hand: test_cli.py
     assert sum(b["w"] for b in ln if b["variant"] == "on") / sum(b["w"] for b in ln if b["variant"] == "off") \
-        == pytest.approx(1024 / 5120, abs=0.01)
+        == pytest.approx(1536 / 5888, abs=0.01)
 
 
 def test_chart_labels_are_readable(rendered):
@@ -279,7 +279,7 @@ def test_chart_labels_are_readable(rendered):
             for b in row:
                 assert t["x"] + t["w"] <= b["x"] + 0.5 or b["x"] + b["w"] <= t["x"] + 0.5, (t, b)
     mlp = next(w for w in seen["workloads"] if w["name"] == "tp_mlp")
-    assert [t["text"] for t in mlp["texts"] if t["cls"] == "value"] == ["9,728 B (512 B defensive)", "9,216 B"]
+    assert [t["text"] for t in mlp["texts"] if t["cls"] == "value"] == ["13,824 B (512 B defensive)", "13,312 B"]
 
 
 def test_tables_show_kernels_coverage_and_collectives(rendered):
@@ -311,11 +311,11 @@ def test_tables_show_kernels_coverage_and_collectives(rendered):
                 assert len(rows) == len(v["collectives"]) == v["count"]
                 for row, c in zip(rows, v["collectives"]):
                     assert row[1] == c["kind"] and row[2] == ",".join(c["axes"])
-                    assert row[4] == f"{c['bytes']:,}"
-                    assert row[5].startswith(c["status"])
-                    assert row[9].startswith(c["op_name"])
+                    assert row[4] == f"{c['bytes']:,}" and row[5] == f"{c['sent_bytes']:,}"
+                    assert row[6].startswith(c["status"])
+                    assert row[10].startswith(c["op_name"])
     issue = by_name["issue21855"]["collectives"][0]
-    assert issue[0][5].startswith("defensive operand replicated over model likely cause: no rule for copy_kernel")
+    assert issue[0][6].startswith("defensive operand replicated over model likely cause: no rule for copy_kernel")
 
 
 def test_screenshot(rendered, browser, tmp_path):
@@ -368,19 +368,19 @@ def test_dead_and_reprules_added_collectives_are_shown_as_such(bwd_steps, browse
     on, got = seen["only_x"]
     (dead,) = [c for c in on["collectives"] if c["dead"]]
     row = got["collectives"][-1][on["collectives"].index(dead)]  # the reprules side's table
-    assert row[5] == "dead only in the jaxpr: dropped by lowering, never runs; not counted", row
-    assert row[6] == "J . . dead code, not lowered", row
+    assert row[6] == "dead only in the jaxpr: dropped by lowering, never runs; not counted", row
+    assert row[7] == "J . . dead code, not lowered", row
     (dead_row,) = [r for r in got["summary"] if r[0] == "dead (not counted)"]  # off: 1 on JAX <= 0.4
     assert dead_row[2] == "1" and dead_row[1] in ("0", "1"), got["summary"]
     needed = next(r for r in got["summary"] if r[0] == "needed")
-    assert needed[2] == f"{on['count'] - on['defensive_count']} ({on['bytes'] - on['defensive_bytes']:,} B)"
+    assert needed[2] == f"{on['needed_count']} ({on['needed_sent_bytes']:,} B)"
     on, got = seen["both"]
     (psum,) = [c for c in on["collectives"] if c["axes"] == ["data"]]
     row = got["collectives"][-1][on["collectives"].index(psum)]
     if NEW_SHARD_MAP:  # reprules adds it; JAX <= 0.5 psums the cotangent itself
-        assert row[5] == "needed added by reprules to a custom_vjp bwd's cotangent", row
+        assert row[6] == "needed added by reprules to a custom_vjp bwd's cotangent", row
         bwd_line = (bwd_steps / "bwd_steps.py").read_text().splitlines().index("def scaled_bwd(res, g):") + 1
-        assert row[8] == f"bwd_steps.py:{bwd_line}" and psum["source"].endswith(row[8]), (row, psum)
+        assert row[9] == f"bwd_steps.py:{bwd_line}" and psum["source"].endswith(row[9]), (row, psum)
     else:
-        assert row[5] == "needed", row
+        assert row[6] == "needed", row
     assert "custom_vjp.py" not in " ".join(" ".join(r) for t in got["collectives"] for r in t)

@@ -39,7 +39,7 @@ from reprules._audit import _target as protocol
 from reprules._errors import UnsupportedJaxError
 
 DEFAULT_DEVICES = 8
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the ``--json`` document's layout; raised whenever a field changes meaning or goes away
 (new fields are added within a version: ``unmatched_kernel_names``, each kernel's ``covered_by`` and
 ``inference``, each collective's ``dead`` and ``added_by`` and each variant's ``dead_count`` were
@@ -284,6 +284,11 @@ def _summary(v: dict[str, Any]) -> dict[str, Any]:
         "bytes": report.bytes(),
         "defensive_count": len(report.defensive),
         "defensive_bytes": sum(c.step_bytes for c in report.defensive),
+        # Schema 4: bytes each device sends (ring algorithms), split into needed and defensive parts.
+        "sent_bytes": report.sent_bytes(),
+        "needed_count": len(report.with_needed_part),
+        "needed_sent_bytes": report.needed_sent_bytes,
+        "defensive_sent_bytes": report.defensive_sent_bytes,
         "dead_count": len(report.dead_collectives),
         "kernels_with_rules": sum(1 for k in report.kernels if k.has_rule),
         "kernels_total": len(report.kernels),

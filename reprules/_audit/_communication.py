@@ -37,7 +37,7 @@ def link_arg(text: str | None) -> _link_model.Link | None:
 
 
 def summary(report: Report) -> dict[str, Any]:
-    """The ``--json`` fields of one variant (schema version 3)."""
+    """The ``--json`` fields of one variant (schema version 4: bytes sent beside buffer bytes)."""
     return {
         "collectives": [{**c.to_dict(), "est_seconds": report.seconds(c)} for c in report.collectives],
         "backend": report.backend,
@@ -46,6 +46,7 @@ def summary(report: Report) -> dict[str, Any]:
         "implicit": [c.to_dict() for c in report.implicit],
         "implicit_count": len(report.implicit),
         "implicit_bytes": report.implicit_bytes,
+        "implicit_sent_bytes": report.implicit_sent_bytes,
         "cheaper": [c.to_dict() for c in report.cheaper],
         "cheaper_count": len(report.cheaper),
         "savable_bytes": report.savable_bytes,
@@ -61,12 +62,12 @@ def findings(doc: Mapping[str, Any]) -> list[str]:
         if v is None:
             continue
         for c in v.get("implicit", ()):
-            found.append(f"{w['name']}: implicit {c['kind']} of {c['bytes']} B into kernel {c['kernel']} "
+            found.append(f"{w['name']}: implicit {c['kind']} sending {c['step_sent']} B into kernel {c['kernel']} "
                          f"({c['primitive']}) called at {short(c['call_source'])}"
                          + (" (predicted for TPU/GPU)" if c["predicted"] else ""))
         for c in v.get("cheaper", ()):
             found.append(f"{w['name']}: {c['kind']} at {short(c['source'])} could be {c['cheaper']} "
-                         f"({c['bytes']} B -> {c['bytes_after']} B)")
+                         f"({c['sent']} B sent -> {c['sent_after']} B)")
     return found
 
 
@@ -80,7 +81,7 @@ def summary_rows(reports: Mapping[str, Report], keys: Sequence[str]) -> list[tup
         return f"{len(r.cheaper)} ({r.savable_bytes} B)"
 
     def implicit(r: Report) -> str:
-        return f"{len(r.implicit)} ({r.implicit_bytes} B)"
+        return f"{len(r.implicit)} ({r.implicit_sent_bytes} B)"
 
     link = next((reports[k].link for k in keys if reports[k].link is not None), None)
     return [
@@ -91,18 +92,19 @@ def summary_rows(reports: Mapping[str, Report], keys: Sequence[str]) -> list[tup
 
 
 def implicit_rows(report: Report) -> list[tuple[str, ...]]:
-    rows: list[tuple[str, ...]] = [("kind", "over", "type", "bytes", "est.", "kernel", "call", "found")]
+    rows: list[tuple[str, ...]] = [("kind", "over", "type", "buffer", "sent", "est.", "kernel", "call", "found")]
     for c in report.implicit:
         rows.append((c.kind, ",".join(c.axes) if c.axes else "?", f"{c.dtype}[{','.join(map(str, c.shape))}]",
-                     str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), time_text(c.seconds),
+                     str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), str(c.step_sent),
+                     time_text(c.seconds),
                      c.kernel, short(c.call_source), "predicted" if c.predicted else f"{c.backend} HLO"))
     return rows
 
 
 def cheaper_rows(report: Report) -> list[tuple[str, ...]]:
-    rows: list[tuple[str, ...]] = [("kind", "over", "bytes now", "after", "saved", "could be", "source")]
+    rows: list[tuple[str, ...]] = [("kind", "over", "sent now", "after", "saved", "could be", "source")]
     for c in report.cheaper:
-        rows.append((c.kind, ",".join(c.axes) if c.axes else "?", str(c.bytes), str(c.bytes_after),
+        rows.append((c.kind, ",".join(c.axes) if c.axes else "?", str(c.sent), str(c.sent_after),
                      f"{c.saved_bytes} B, {time_text(c.saved_seconds)}", c.cheaper, short(c.source)))
     return rows
 
@@ -120,16 +122,16 @@ def legend_items(reports: Sequence[Report]) -> list[str]:
     items = []
     link = next((r.link for r in reports if r.link is not None), None)
     if link is not None:
-        items.append(f"est. time: link model, {link.describe()} ({link.note}); ring all-reduce "
-                     "2(n-1)/n x bytes / bandwidth, all-gather, reduce-scatter, all-to-all (n-1)/n x bytes / "
-                     "bandwidth, plus a latency per ring step; no overlap with compute, one ring per "
-                     "collective (--link NAME|GBPS picks another)")
+        items.append(f"est. time: link model, {link.describe()} ({link.note}); the bytes sent / bandwidth, "
+                     "plus a latency per ring step; no overlap with compute, one ring per collective "
+                     "(--link NAME|GBPS picks another)")
     if any(r.implicit for r in reports):
         items.append("implicit: a collective XLA's partitioner inserted around an opaque kernel called outside "
                      "shard_map on sharded operands (it cannot look into a custom call, so it gathers the "
                      "operands and runs the whole kernel on every device); predicted: the backend at hand hides "
                      "it (Pallas interpret mode), a TPU/GPU compile would have it")
     if any(r.cheaper for r in reports):
-        items.append("could be saved: bytes per step the rewrites of the collectives with a cheaper equivalent "
-                     "would save (" + "; ".join(PATTERNS.values()) + ")")
+        items.append("could be saved: bytes sent per step the rewrites of the collectives with a cheaper "
+                     "equivalent would save, what the collectives row moves by once applied ("
+                     + "; ".join(PATTERNS.values()) + ")")
     return items

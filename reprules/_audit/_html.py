@@ -84,7 +84,9 @@ def _variants(w: Mapping[str, Any]) -> list[str]:
 
 
 def _split(v: Mapping[str, Any]) -> tuple[int, int]:
-    """(defensive, needed) bytes of one variant."""
+    """(defensive, needed) bytes sent of one variant (buffer bytes in a document older than schema 4)."""
+    if "sent_bytes" in v:
+        return int(v["defensive_sent_bytes"]), int(v["needed_sent_bytes"])
     defensive = int(v["defensive_bytes"])
     return defensive, int(v["bytes"]) - defensive
 
@@ -92,7 +94,7 @@ def _split(v: Mapping[str, Any]) -> tuple[int, int]:
 def chart(w: Mapping[str, Any]) -> str:
     """The SVG bar chart of one workload: a stacked bar (needed, then defensive) per variant."""
     keys = _variants(w)
-    peak = max((int(w[k]["bytes"]) for k in keys), default=0)
+    peak = max((sum(_split(w[k])) for k in keys), default=0)
     height = _TOP * 2 + _ROW_H * len(keys)
     parts = [f'<svg viewBox="0 0 {_W} {height}" width="{_W}" height="{height}" role="img" '
              f'aria-label="{_e(_aria(w, keys))}" font-family="system-ui, sans-serif" font-size="13">']
@@ -134,11 +136,12 @@ def _aria(w: Mapping[str, Any], keys: Sequence[str]) -> str:
 
 def _summary_table(w: Mapping[str, Any], keys: Sequence[str]) -> str:
     def count(v: Mapping[str, Any], which: str) -> str:
+        defensive, needed = _split(v)
         if which == "all":
-            return f"{v['count']} ({_bytes(v['bytes'])})"
+            return f"{v['count']} ({_bytes(defensive + needed)})"
         if which == "defensive":
-            return f"{v['defensive_count']} ({_bytes(v['defensive_bytes'])})"
-        return f"{v['count'] - v['defensive_count']} ({_bytes(v['bytes'] - v['defensive_bytes'])})"
+            return f"{v['defensive_count']} ({_bytes(defensive)})"
+        return f"{v.get('needed_count', v['count'] - v['defensive_count'])} ({_bytes(needed)})"
 
     def error(v: Mapping[str, Any]) -> str:
         return "n/a" if v["max_error"] is None else f"{v['max_error']:.2e}"
@@ -191,7 +194,8 @@ def _kernel_table(kernels: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _collective_table(collectives: Sequence[Mapping[str, Any]]) -> str:
-    head = ("<tr><th class='num'>#</th><th>kind</th><th>over</th><th>type</th><th class='num'>bytes</th>"
+    head = ("<tr><th class='num'>#</th><th>kind</th><th>over</th><th>type</th><th class='num'>buffer</th>"
+            "<th class='num'>sent</th>"
             "<th>status</th><th title='jaxpr, StableHLO, compiled HLO'>levels</th><th>primitive / origin</th>"
             "<th>source</th><th>provenance</th></tr>")
     rows = []
@@ -206,6 +210,9 @@ def _collective_table(collectives: Sequence[Mapping[str, Any]]) -> str:
             status += f"<div class='why'>added by {_e(c['added_by'])} to a custom_vjp bwd's cotangent</div>"
         if c["defensive"] and not c.get("dead"):
             status += f"<div class='why'>operand replicated over {_e(','.join(c['replicated_axes']))}</div>"
+            if c.get("needed_axes"):
+                status += (f"<div class='why'>needed over {_e(','.join(c['needed_axes']))} "
+                           f"({c['needed_sent_bytes']:,} B sent), defensive part {c['defensive_sent_bytes']:,} B</div>")
             if c.get("kernels_without_rule"):
                 status += (f"<div class='why'>likely cause: no rule for "
                            f"{_e(', '.join(c['kernels_without_rule']))}</div>")
@@ -222,9 +229,11 @@ def _collective_table(collectives: Sequence[Mapping[str, Any]]) -> str:
             detail = f"<details><summary>{len(lines)} instruction(s)</summary><pre class='mono'>{_e(text)}</pre></details>"
         kind = c["kind"] + ("*" if c.get("is_async") else "")
         times = f" ×{c['executions']}" if c.get("executions", 1) > 1 else ""  # runs in a scan body
+        sent = f"{c['sent_bytes']:,}" if "sent_bytes" in c else ""  # (a document older than schema 4)
         rows.append(
             f"<tr class='collective'><td class='num'>{i}</td><td class='nowrap'>{_e(kind)}</td><td>{_e(over)}</td>"
-            f"<td class='mono'>{_e(shapes)}</td><td class='num'>{c['bytes']:,}{times}</td><td>{status}</td>"
+            f"<td class='mono'>{_e(shapes)}</td><td class='num'>{c['bytes']:,}{times}</td>"
+            f"<td class='num'>{sent}</td><td>{status}</td>"
             f"<td class='mono'>{_e(levels)}{note}</td><td>{_e(c.get('primitive') or '')}"
             f"<div class='why'>{_e(c.get('origin', ''))}</div></td><td>{_source(c.get('source') or '')}</td>"
             f"<td><span class='mono'>{_e(c.get('op_name') or '?')}</span>{detail}</td></tr>")
@@ -311,7 +320,9 @@ def _communication_rows(w: Mapping[str, Any], keys: Sequence[str]) -> list[tuple
     link = next((w[k]["link"]["name"] for k in keys if w[k].get("link")), "?")
     return [
         ("could be saved", [f"{w[k]['cheaper_count']} ({_bytes(w[k]['savable_bytes'])})" for k in keys]),
-        ("implicit (XLA, kernels)", [f"{w[k]['implicit_count']} ({_bytes(w[k]['implicit_bytes'])})" for k in keys]),
+        ("implicit (XLA, kernels)", [f"{w[k]['implicit_count']} "
+                                     f"({_bytes(sum(c.get('step_sent', c['bytes']) for c in w[k]['implicit']))})"
+                                     for k in keys]),
         (f"est. time ({link})", [_seconds(w[k]["est_seconds"]) for k in keys]),
     ]
 
@@ -329,13 +340,13 @@ def _communication_sections(w: Mapping[str, Any], keys: Sequence[str]) -> list[s
             rows = "".join(
                 f"<tr class='implicit'><td>{_e(c['kind'])}</td><td>{_e(','.join(c['axes'] or ['?']))}</td>"
                 f"<td class='mono'>{_e(c['dtype'])}[{_e(','.join(map(str, c['shape'])))}]</td>"
-                f"<td class='num'>{c['bytes']:,}</td><td class='num'>{_e(_seconds(c['seconds']))}</td>"
+                f"<td class='num'>{c.get('step_sent', c['bytes']):,}</td><td class='num'>{_e(_seconds(c['seconds']))}</td>"
                 f"<td><code>{_e(c['kernel'])}</code> ({_e(c['primitive'])}), operand {c['operand']}</td>"
                 f"<td>{_source(c['call_source'])}</td>"
                 f"<td>{'predicted for TPU/GPU' if c['predicted'] else _e(c['backend']) + ' HLO'}</td>"
                 f"<td class='why'>{_e(c['fix'])}</td></tr>" for c in v["implicit"])
             out.append("<table class='implicit wide'><tr><th>kind</th><th>over</th><th>type</th>"
-                       "<th class='num'>bytes</th><th class='num'>est.</th><th>kernel</th><th>call</th>"
+                       "<th class='num'>sent</th><th class='num'>est.</th><th>kernel</th><th>call</th>"
                        f"<th>found</th><th>fix</th></tr>{rows}</table>")
         else:
             out.append('<p class="note">none</p>')
@@ -344,11 +355,11 @@ def _communication_sections(w: Mapping[str, Any], keys: Sequence[str]) -> list[s
         if v["cheaper"]:
             rows = "".join(
                 f"<tr class='cheaper'><td>{_e(c['kind'])}</td><td>{_e(','.join(c['axes'] or ['?']))}</td>"
-                f"<td class='num'>{c['bytes']:,}</td><td class='num'>{c['bytes_after']:,}</td>"
+                f"<td class='num'>{c.get('sent', c['bytes']):,}</td><td class='num'>{c.get('sent_after', c['bytes_after']):,}</td>"
                 f"<td class='num'>{c['saved_bytes']:,} B, {_e(_seconds(c['saved_seconds']))}</td>"
                 f"<td>{_e(c['cheaper'])}<div class='why'>{_e(c['meaning'])}</div></td>"
                 f"<td>{_source(c['source'])}</td><td><code>{_e(c['rewrite'])}</code></td></tr>" for c in v["cheaper"])
-            out.append("<table class='cheaper wide'><tr><th>kind</th><th>over</th><th class='num'>bytes now</th>"
+            out.append("<table class='cheaper wide'><tr><th>kind</th><th>over</th><th class='num'>sent now</th>"
                        "<th class='num'>after</th><th class='num'>saved</th><th>could be</th><th>source</th>"
                        f"<th>rewrite</th></tr>{rows}</table>")
         else:

@@ -44,16 +44,20 @@ def wrap(text: str, indent: str, width: int = WIDTH) -> list[str]:
 
 
 def table(rows: Sequence[Sequence[str]], indent: str, width: int = WIDTH,
-          right: Sequence[int] = ()) -> list[str]:
-    """Rows as aligned columns, the widest columns clipped until a row fits ``width``."""
+          right: Sequence[int] = (), shrink_first: int | None = None) -> list[str]:
+    """Rows as aligned columns, clipped until a row fits ``width``: column ``shrink_first``
+    (from the left: a source's line number stays) down to 12 columns first, then the widest."""
     n = len(rows[0])
     widths = [max(len(r[k]) for r in rows) for k in range(n)]
     room = width - len(indent) - 2 * (n - 1)
+    if shrink_first is not None:
+        widths[shrink_first] = max(min(widths[shrink_first], 12), widths[shrink_first] - (sum(widths) - room))
     while sum(widths) > room and max(widths) > 4:
         widths[widths.index(max(widths))] -= 1
     lines = []
     for r in rows:
-        cells = [clip(v, w).rjust(w) if k in right else clip(v, w).ljust(w)
+        cells = [(clip_left(v, w) if k == shrink_first else clip(v, w)).rjust(w) if k in right
+                 else (clip_left(v, w) if k == shrink_first else clip(v, w)).ljust(w)
                  for k, (v, w) in enumerate(zip(r, widths))]
         lines.append((indent + "  ".join(cells)).rstrip())
     return lines
@@ -67,10 +71,17 @@ def short_source(source: str) -> str:
     return f"{os.path.basename(path)}:{line}" if path else source
 
 
-def _count(report: Report, defensive: bool | None = None, dead: bool = False) -> str:
-    """Count and bytes per step of the live collectives (``defensive``: of those), or of the dead ones."""
-    found = report.select(defensive=defensive, dead=dead)
-    return f"{len(found)} ({sum(c.step_bytes for c in found)} B)"
+def _count(report: Report, part: str = "all") -> str:
+    """Count and bytes each device sends per step: of the live collectives (``all``), of their
+    ``defensive`` or ``needed`` parts (a collective split by axis counts in both), or of the ``dead`` ones."""
+    if part == "dead":
+        dead = report.dead_collectives
+        return f"{len(dead)} ({sum(c.sent_bytes for c in dead)} B)"
+    if part == "defensive":
+        return f"{len(report.defensive)} ({report.defensive_sent_bytes} B)"
+    if part == "needed":
+        return f"{len(report.with_needed_part)} ({report.needed_sent_bytes} B)"
+    return f"{len(report.select())} ({report.sent_bytes()} B)"
 
 
 def _kernels(report: Report) -> str:
@@ -84,13 +95,26 @@ def _error(value: float | None) -> str:
 
 
 def _collective_rows(report: Report) -> list[tuple[str, ...]]:
-    rows: list[tuple[str, ...]] = [("#", "kind", "over", "type", "bytes", "status", "levels", "source")]
+    rows: list[tuple[str, ...]] = [("#", "kind", "over", "type", "bytes", "sent", "status", "levels", "source")]
     for i, c in enumerate(report.collectives, 1):
         status = c.status_text(axes=True)
         levels = "".join(m if lvl in c.levels else "." for lvl, m in _LEVEL_MARKS)
         rows.append((str(i), c.kind + ("*" if c.is_async else ""), c.axes_text(), c.shape_text(),
-                     str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), status, levels, short_source(c.source)))
+                     str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), str(c.sent_bytes), status,
+                     levels, short_source(c.source)))
+    if all(r[7] == "JSH" for r in rows[1:]):  # found at every level: the column says nothing
+        rows = [r[:7] + r[8:] for r in rows]
     return rows
+
+
+def _split_lines(report: Report) -> list[str]:
+    """Under the table, each collective needed over some axes and defensive over others: both parts."""
+    lines: list[str] = []
+    for i, c in enumerate(report.collectives, 1):
+        if c.split and not c.dead:
+            lines += wrap(f"{i}: needed over {','.join(c.needed_axes or ())} ({c.needed_sent_bytes} B sent), "
+                          f"defensive over {','.join(c.replicated_axes)} ({c.defensive_sent_bytes} B)", "     ")
+    return lines
 
 
 def _kernel_rows(report: Report, coverage: Sequence[Coverage]) -> list[tuple[str, ...]]:
@@ -132,10 +156,10 @@ def render_workload(entry: Mapping[str, Any]) -> list[str]:
     reports: dict[str, Report] = {k: entry[k]["report"] for k in keys}
     rows = [("", *(LABELS[k] for k in keys))]
     rows += [
-        ("collectives", *(_count(reports[k]) for k in keys)),
-        ("  defensive", *(_count(reports[k], True) for k in keys)),
-        ("  needed", *(_count(reports[k], False) for k in keys)),
-        *([("  dead (not counted)", *(_count(reports[k], dead=True) for k in keys))]
+        ("collectives (B sent)", *(_count(reports[k]) for k in keys)),
+        ("  defensive", *(_count(reports[k], "defensive") for k in keys)),
+        ("  needed", *(_count(reports[k], "needed") for k in keys)),
+        *([("  dead (not counted)", *(_count(reports[k], "dead") for k in keys))]
           if any(reports[k].dead_collectives for k in keys) else []),
         *_communication.summary_rows(reports, keys),  # could be saved (cheaper), implicit, est. time
         ("kernels with rules", *(_kernels(reports[k]) for k in keys)),
@@ -155,7 +179,9 @@ def render_workload(entry: Mapping[str, Any]) -> list[str]:
         report = reports[k]
         lines.append(f"   collectives, {LABELS[k]}:" + ("" if report.collectives else " none"))
         if report.collectives:
-            lines += table(_collective_rows(report), "     ", right=(0, 4))
+            rows = _collective_rows(report)
+            lines += table(rows, "     ", right=(0, 4, 5), shrink_first=len(rows[0]) - 1)
+            lines += _split_lines(report)
     lines += _communication_sections(reports, keys)
     return lines + failure
 
@@ -171,7 +197,7 @@ def _communication_sections(reports: Mapping[str, Report], keys: Sequence[str]) 
         lines.append(f"   implicit collectives (XLA, around opaque kernels), {LABELS[k]}:"
                      + ("" if r.implicit else " none"))
         if r.implicit:
-            lines += table(_communication.implicit_rows(r), "     ", right=(3,))
+            lines += table(_communication.implicit_rows(r), "     ", right=(3, 4))
         lines.append(f"   cheaper equivalents (compiled {backend} HLO), {LABELS[k]}:" + ("" if r.cheaper else " none"))
         if r.cheaper:
             lines += table(_communication.cheaper_rows(r), "     ", right=(2, 3))
@@ -184,9 +210,11 @@ def legend(entries: Sequence[Mapping[str, Any]]) -> list[str]:
     """What every column of the kernel and collective tables means, and each status found in them."""
     reports = [e[k]["report"] for e in entries for k in ("off", "on", "given") if k in e]
     shown = [c for r in reports for c in r.collectives]
-    items = ["summary: per variant, the collectives' count (bytes per device per step), split by status "
-             "(below); kernels with rules: of the opaque kernels; max error vs reference: the largest "
-             "difference of the step's output from the unsharded reference (n/a: none given)"]
+    items = ["summary: per variant, the collectives' count (bytes each device sends per step), split by "
+             "status (below; a collective defensive over some of its axes and needed over the others counts "
+             "in both, each with its part of the bytes); kernels with rules: of the opaque kernels; max "
+             "error vs reference: the largest difference of the step's output from the unsharded reference "
+             "(n/a: none given)"]
     if any(r.kernels for r in reports):
         items.append("kernels: kernel: the kernel function's name; primitive: how it is called "
                      "(pallas_call, ffi_call...); calls: its calls in the step; rule: its replication rule "
@@ -194,15 +222,22 @@ def legend(entries: Sequence[Mapping[str, Any]]) -> list[str]:
                      "pack), name (kernel_named), inference, or none; source: where it is defined")
     if shown:
         items.append("collectives: # row; kind (* asynchronous: a start/done pair, counted once); over: "
-                     "the mesh axes it runs over; type: per-device result; bytes: per device (xN: in a "
-                     "scan, runs N times per step); status: below; levels: where it is found, J jaxpr, "
-                     "S StableHLO, H compiled HLO ('.': not there); source: the user's line that made it "
-                     "('?': unknown)")
+                     "the mesh axes it runs over; type: per-device result; bytes: its buffer per device, "
+                     "the operand (an all-gather's result; xN: in a scan, runs N times per step); sent: the "
+                     "bytes each device sends per step for the ring algorithm over the n devices of a group "
+                     "(all-reduce 2(n-1)/n x buffer; all-gather, reduce-scatter, all-to-all (n-1)/n x buffer; "
+                     "collective-permute the buffer); status: below; levels (shown where one is missing): "
+                     "where it is found, J jaxpr, S StableHLO, H compiled HLO ('.': not there); source: the "
+                     "user's line that made it ('?': unknown)")
         items.append("needed: the program needs it (its operand varies over the axes it runs over, or "
                      "it was written explicitly)")
     if any(c.defensive and not c.dead for c in shown):
         items.append("defensive (A): a transpose all-reduce summing over A, where its operand is "
                      "replicated: it moves bytes for nothing")
+    if any(c.split and not c.dead for c in shown):
+        items.append("needed+defensive (A): an all-reduce over more axes than its operand varies over: the "
+                     "same all-reduce over the others is needed, what it sends beyond that is defensive "
+                     "(each part's bytes under the table)")
     if any(c.status_text() == ADDED_TEXT for c in shown):
         items.append(f"{ADDED_TEXT}: {ADDED_MEANING}")
     if any(c.dead for c in shown):

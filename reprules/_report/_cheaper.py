@@ -136,7 +136,8 @@ def find(graph: _hlo_graph.Graph, collectives: Sequence[Collective], data_replic
         shape = c.shapes[0] if c.shapes else ()
         now = _link_model.seconds(c.kind, c.bytes, n, link) if n else 0.0
         common: dict[str, Any] = dict(kind=c.kind, axes=c.axes, dtype=c.dtype, shape=shape, bytes=c.bytes,
-                                      seconds=now, source=c.source, backend=backend, executions=c.executions)
+                                      seconds=now, source=c.source, backend=backend, executions=c.executions,
+                                      sent=_link_model.sent(c.kind, c.bytes, n))
         replicated = data_replicated[i] if i < len(data_replicated) else ()
         line = next((text for level, text in c.lines if level == "hlo"), "")
         if c.kind == "all-reduce" and c.primitive in ("psum", "psum2", "psum_invariant") and replicated \
@@ -169,11 +170,10 @@ def find(graph: _hlo_graph.Graph, collectives: Sequence[Collective], data_replic
         if got is None:
             continue
         after = _link_model.seconds("reduce-scatter", c.bytes, n, link) if n else 0.0
-        ratio = _link_model.sent_bytes("reduce-scatter", 1.0, n) / _link_model.sent_bytes("all-reduce", 1.0, n) \
-            if n > 1 else 1.0
         axes = repr(c.axes[0]) if c.axes and len(c.axes) == 1 else repr(c.axes)
-        found.append(CheaperCollective(
-            pattern="own-slice", cheaper="reduce-scatter", bytes_after=round(c.bytes * ratio), seconds_after=after,
+        found.append(CheaperCollective(  # the same buffer, reduced and scattered: half the ring's traffic
+            pattern="own-slice", cheaper="reduce-scatter", bytes_after=c.bytes, seconds_after=after,
+            sent_after=_link_model.sent("reduce-scatter", c.bytes, n),
             rewrite=f"jax.lax.psum_scatter(x, {axes}, scatter_dimension={got[0]}, tiled=True)  # instead of "
                     "psum then the slice",
             slice_source=got[1], line=line, **common))

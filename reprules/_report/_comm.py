@@ -10,10 +10,11 @@
 * :class:`CheaperCollective`: a collective that survives compilation on the
   backend at hand and has a cheaper equivalent (:mod:`reprules._report._cheaper`).
 
-Bytes are the report's (per device: the unsharded buffer); ``bytes_after``
-scales them by the link model's ratio of bytes sent (a ring reduce-scatter
-sends half of what a ring all-reduce sends), and ``seconds`` are the link
-model's estimates (:mod:`reprules._report._link_model`).
+Costs follow the report's one model (:mod:`reprules._report._link_model`): ``bytes``
+is the buffer per device, ``sent`` what each device sends for the ring algorithm
+(a reduce-scatter sends half of what an all-reduce of the same buffer sends), and
+``seconds`` the link model's estimate. A finding's saving is the difference of
+``sent``: what the collectives rows of the report move by once the fix is applied.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class ImplicitCollective:
       axes: Mesh axes it runs over (``None``: groups matching no axes).
       dtype: Element type (HLO spelling).
       shape: The gathered (unsharded) operand's shape.
-      bytes: Per-device bytes, as the report counts them (the unsharded operand).
+      bytes: Per-device buffer bytes (the unsharded operand).
       seconds: Estimated time per step (link model).
       kernel: The kernel's name (the FFI target, the Pallas kernel function...).
       primitive: ``pallas_call``, ``ffi_call``, ``core_map``, a user primitive...
@@ -82,10 +83,16 @@ class ImplicitCollective:
     backend: str = ""
     line: str = ""
     executions: int = 1
+    sent: int = 0  # bytes each device sends per execution (ring algorithm)
 
     @property
     def step_bytes(self) -> int:
         return self.bytes * self.executions
+
+    @property
+    def step_sent(self) -> int:
+        """Bytes each device sends per step."""
+        return self.sent * self.executions
 
     def fix(self) -> str:
         """What to do: run the kernel under shard_map, or give it a sharding rule."""
@@ -98,7 +105,8 @@ class ImplicitCollective:
         how = ("predicted for a TPU/GPU compile (the " + (self.backend or "backend")
                + " compile hides it: interpret mode)") if self.predicted else f"in the {self.backend} HLO"
         return (f"{self.kind} over {_axes(self.axes)}: {self.dtype}[{','.join(map(str, self.shape))}], "
-                f"{self.bytes} B{f' x{self.executions}' if self.executions > 1 else ''}, into operand "
+                f"{self.bytes} B buffer, {self.sent} B sent{f' x{self.executions}' if self.executions > 1 else ''}, "
+                f"into operand "
                 f"{self.operand} of kernel {self.kernel} ({self.primitive}) called at "
                 f"{self.call_source or '?'}; {how}")
 
@@ -106,6 +114,7 @@ class ImplicitCollective:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["shape"] = list(self.shape)
         d["step_bytes"] = self.step_bytes
+        d["step_sent"] = self.step_sent
         d["fix"] = self.fix()
         return d
 
@@ -121,8 +130,8 @@ class CheaperCollective:
       axes: Mesh axes it runs over.
       dtype: Element type.
       shape: Its per-device result shape.
-      bytes: Per-device bytes now (the report's count).
-      bytes_after: Per-device bytes of the cheaper equivalent.
+      bytes: Per-device buffer bytes now.
+      bytes_after: Per-device buffer bytes of the cheaper equivalent (0: no collective).
       seconds: Estimated time now (link model).
       seconds_after: Estimated time of the cheaper equivalent.
       source: ``file:line`` of the user's line that wrote the collective.
@@ -149,11 +158,13 @@ class CheaperCollective:
     backend: str = ""
     line: str = ""
     executions: int = 1
+    sent: int = 0  # bytes each device sends per execution, now
+    sent_after: int = 0  # ... and with the cheaper equivalent
 
     @property
     def saved_bytes(self) -> int:
-        """Per-device bytes per step the rewrite saves."""
-        return (self.bytes - self.bytes_after) * self.executions
+        """Bytes each device sends per step that the rewrite saves."""
+        return (self.sent - self.sent_after) * self.executions
 
     @property
     def saved_seconds(self) -> float:
@@ -161,7 +172,7 @@ class CheaperCollective:
 
     def describe(self) -> str:
         return (f"{self.kind} over {_axes(self.axes)}: {self.dtype}[{','.join(map(str, self.shape))}], "
-                f"{self.bytes} B -> {self.cheaper} {self.bytes_after} B"
+                f"{self.sent} B sent -> {self.cheaper} {self.sent_after} B sent"
                 f"{f' x{self.executions}' if self.executions > 1 else ''} ({PATTERNS[self.pattern]}) "
                 f"at {self.source or '?'}"
                 + (f", sliced at {self.slice_source}" if self.slice_source else "")
@@ -188,6 +199,6 @@ def table_lines(implicit: tuple[ImplicitCollective, ...], cheaper: tuple[Cheaper
     if cheaper:
         lines.append(f"  collectives with a cheaper equivalent (still in the compiled {backend} HLO):")
         for ch in cheaper:
-            lines.append(f"    - {ch.kind} over {_axes(ch.axes)} at {short(ch.source)}: {ch.bytes} B -> "
-                         f"{ch.cheaper} {ch.bytes_after} B; rewrite: {ch.rewrite}")
+            lines.append(f"    - {ch.kind} over {_axes(ch.axes)} at {short(ch.source)}: {ch.sent} B sent -> "
+                         f"{ch.cheaper} {ch.sent_after} B sent; rewrite: {ch.rewrite}")
     return lines

@@ -311,7 +311,7 @@ def find(graph: _hlo_graph.Graph, collectives: Sequence[Collective], outside: Se
             n = _group_size(c, mesh)
             found.append(ImplicitCollective(
                 kind=c.kind, axes=c.axes, dtype=c.dtype, shape=c.shapes[0] if c.shapes else (), bytes=c.bytes,
-                seconds=_link_model.seconds(c.kind, c.bytes, n, link),
+                seconds=_link_model.seconds(c.kind, c.bytes, n, link), sent=_link_model.sent(c.kind, c.bytes, n),
                 kernel=ok.name if ok is not None else _target(custom),
                 primitive=ok.primitive if ok is not None else (_op_tail(custom) or "custom-call"), operand=k,
                 call_source=ok.call_source if ok is not None else _hlo_source(custom, graph),
@@ -330,7 +330,8 @@ def find(graph: _hlo_graph.Graph, collectives: Sequence[Collective], outside: Se
             nbytes = math.prod(shape) * _hlo.itemsize(_hlo_dtype(dtype))
             found.append(ImplicitCollective(
                 kind="all-gather", axes=axes if dims is not None else None, dtype=_hlo_dtype(dtype), shape=shape,
-                bytes=nbytes, seconds=_link_model.seconds("all-gather", nbytes, n, link), kernel=ok.name,
+                bytes=nbytes, seconds=_link_model.seconds("all-gather", nbytes, n, link),
+                sent=_link_model.sent("all-gather", nbytes, n), kernel=ok.name,
                 primitive=ok.primitive, operand=k, call_source=ok.call_source, kernel_source=ok.kernel_source,
                 in_specs=spec_text(dims, mesh), predicted=True, backend=backend, executions=ok.executions))
     return tuple(found)

@@ -62,6 +62,12 @@ def build_report(function: str, jax_version: str, walk: Walk, stablehlo: Sequenc
         for tc in found:
             axes = _text_axes(tc, mesh)
             line = (level, tc.line)
+            split = _split_all_to_all(entries, tc, axes, level)
+            if split is not None:
+                # XLA compiles an all-to-all into one with a result per peer: the same collective.
+                split["levels"].append(level)
+                split["lines"].append(line)
+                continue
             if len(tc.shapes) > 1 and level == "hlo":
                 # XLA's combiners merge collectives into one tuple instruction.
                 rest = list(tc.shapes)
@@ -85,7 +91,8 @@ def build_report(function: str, jax_version: str, walk: Walk, stablehlo: Sequenc
                     axes=axes, groups="" if axes is not None else _groups_text(tc.groups), defensive=False,
                     replicated_axes=(), origin="xla" if level == "hlo" else "program", primitive="",
                     op_name=_clean_op_name(tc.op_name), source=tc.source, is_async=tc.is_async, checked=None,
-                    kernels_without_rule=(), lines=[line], added_by=added_by(tc.op_name)))
+                    kernels_without_rule=(), lines=[line], added_by=added_by(tc.op_name),
+                    group=tc.group_size or 0))
             else:
                 entry["levels"].append(level)
                 entry["lines"].append(line)
@@ -97,7 +104,8 @@ def build_report(function: str, jax_version: str, walk: Walk, stablehlo: Sequenc
 
     collectives = tuple(
         Collective(**{**e, "levels": tuple(lv for lv in LEVELS if lv in e["levels"]), "lines": tuple(e["lines"]),
-                      "axes": None if e["axes"] is None else tuple(e["axes"])})
+                      "axes": None if e["axes"] is None else tuple(e["axes"]),
+                      "sizes": () if e["axes"] is None else tuple(mesh.get(a, 1) for a in e["axes"])})
         for e in entries)
     # Same-named kernels stay apart: merged only with the same site and status.
     merged: dict[tuple[Any, ...], Kernel] = {}
@@ -109,6 +117,17 @@ def build_report(function: str, jax_version: str, walk: Walk, stablehlo: Sequenc
             merged[key] = k
     return Report(function=function, jax_version=jax_version, mesh=tuple(mesh.items()),
                   collectives=collectives, kernels=tuple(merged.values()))
+
+
+def _split_all_to_all(entries: list[dict[str, Any]], tc: _hlo.TextCollective, axes: tuple[str, ...] | None,
+                      level: str) -> dict[str, Any] | None:
+    """The all-to-all ``tc`` is, where XLA split its result into one array per peer."""
+    if tc.kind != "all-to-all" or len(tc.shapes) < 2 or level != "hlo":
+        return None
+    total = _hlo.nbytes(tc.dtype, tc.shapes)
+    return next((e for e in entries if level not in e["levels"] and e["kind"] == "all-to-all"
+                 and len(e["shapes"]) == 1 and e["dtype"] == tc.dtype and e["bytes"] == total
+                 and (axes is None or e["axes"] is None or set(e["axes"]) == set(axes))), None)
 
 
 def _tuple_matches(entries: list[dict[str, Any]], tc: _hlo.TextCollective, axes: tuple[str, ...] | None,

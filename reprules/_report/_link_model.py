@@ -114,6 +114,11 @@ def sent_bytes(kind: str, nbytes: float, n: int) -> float:
     return (n - 1) / n * nbytes
 
 
+def sent(kind: str, nbytes: int, n: int) -> int:
+    """:func:`sent_bytes` rounded to whole bytes: what reports print and add up."""
+    return round(sent_bytes(kind, nbytes, n))
+
+
 def steps(kind: str, n: int) -> int:
     if n <= 1:
         return 0

@@ -19,6 +19,9 @@ from reprules._report import _hlo, _link_model
 from reprules._report._comm import CheaperCollective, ImplicitCollective, table_lines
 
 LEVELS = ("jaxpr", "stablehlo", "hlo")
+COST_CONVENTION = ("buffer B: the operand per device (an all-gather's result); sent B: what each device sends "
+                   "per step, ring algorithms: all-reduce 2(n-1)/n x buffer, all-gather, reduce-scatter and "
+                   "all-to-all (n-1)/n x buffer, collective-permute the buffer")
 ADDED_TEXT = "added by reprules"
 ADDED_MEANING = ("needed: a psum reprules added to a custom_vjp bwd's cotangent, exact as it varies over the "
                  "axes summed; source: that bwd")
@@ -108,6 +111,16 @@ class Collective:
         bwd's cotangent (or the transpose of a cast it added there): its
         ``source`` is then that bwd's ``def`` line (for a bwd inside a library,
         the user's call of the ``custom_vjp`` function); else ``""``.
+      sizes: The mesh size of each of ``axes``.
+      group: Devices per replica group, where ``axes`` is ``None`` (read from the groups).
+
+    **Cost** (one model for every figure of a report, :mod:`reprules._report._link_model`):
+    ``bytes`` is the buffer ``S``; :attr:`sent_bytes` what each device sends for the ring
+    algorithm over :attr:`group_size` devices (all-reduce ``2(n-1)/n*S``, all-gather,
+    reduce-scatter and all-to-all ``(n-1)/n*S``, collective-permute ``S``). A defensive
+    all-reduce over more axes than its operand varies over splits into a **needed** part (the
+    same all-reduce over :attr:`needed_axes` only) and a **defensive** part (the rest):
+    :attr:`needed_sent_bytes` and :attr:`defensive_sent_bytes`, per step.
 
     A collective found only in the jaxpr is **dead** (:attr:`dead`): lowering
     dropped it as dead code (e.g. the all-reduce of a gradient nothing uses),
@@ -136,11 +149,52 @@ class Collective:
     lines: tuple[tuple[str, str], ...] = ()
     executions: int = 1
     added_by: str = ""
+    sizes: tuple[int, ...] = ()
+    group: int = 0
 
     @property
     def step_bytes(self) -> int:
-        """Per-device bytes per step: ``bytes`` times ``executions``."""
+        """Per-device buffer bytes per step: ``bytes`` times ``executions``."""
         return self.bytes * self.executions
+
+    @property
+    def group_size(self) -> int:
+        """Devices per replica group (0: unknown)."""
+        if self.axes is not None and len(self.sizes) == len(self.axes):
+            return math.prod(self.sizes)
+        return self.group
+
+    @property
+    def needed_axes(self) -> tuple[str, ...] | None:
+        """The axes its operand varies over (all of ``axes`` unless defensive)."""
+        if self.axes is None or not self.defensive:
+            return self.axes
+        return tuple(a for a in self.axes if a not in self.replicated_axes)
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes each device sends per step (the ring algorithm over :attr:`group_size` devices)."""
+        return _link_model.sent(self.kind, self.bytes, self.group_size) * self.executions
+
+    @property
+    def needed_sent_bytes(self) -> int:
+        """Of :attr:`sent_bytes`, what the same collective over :attr:`needed_axes` only sends."""
+        if self.dead:
+            return 0
+        if not self.defensive or self.axes is None or len(self.sizes) != len(self.axes):
+            return 0 if self.defensive else self.sent_bytes
+        group = math.prod(n for a, n in zip(self.axes, self.sizes) if a not in self.replicated_axes)
+        return _link_model.sent(self.kind, self.bytes, group) * self.executions
+
+    @property
+    def defensive_sent_bytes(self) -> int:
+        """Of :attr:`sent_bytes`, the part over axes its operand is replicated over."""
+        return 0 if self.dead else self.sent_bytes - self.needed_sent_bytes
+
+    @property
+    def split(self) -> bool:
+        """Defensive over some of its axes, needed over the others."""
+        return self.defensive and bool(self.needed_axes)
 
     @property
     def dead(self) -> bool:
@@ -161,12 +215,15 @@ class Collective:
 
     def status_text(self, axes: bool = False) -> str:
         """The status as reports print it: ``dead``, ``defensive`` (with ``axes``:
-        ``defensive (A)``, the replicated axes summed over), :data:`ADDED_TEXT`
-        for a needed one reprules added, or ``needed``."""
+        ``defensive (A)``, the replicated axes summed over; ``needed+defensive (A)``
+        for one also summing over axes its operand varies over), :data:`ADDED_TEXT` for a needed one reprules added, or ``needed``."""
         if self.dead:
             return "dead"
         if self.defensive:
-            return f"defensive ({','.join(self.replicated_axes)})" if axes else "defensive"
+            if not axes:
+                return "defensive"
+            defensive = f"defensive ({','.join(self.replicated_axes)})"
+            return f"needed+{defensive}" if self.split else defensive
         return ADDED_TEXT if self.added_by == "reprules" else "needed"
 
     def axes_text(self) -> str:
@@ -203,6 +260,11 @@ class Collective:
         d["dead"] = self.dead
         d["folded"] = self.folded
         d["step_bytes"] = self.step_bytes
+        d["group_size"] = self.group_size
+        d["needed_axes"] = self.needed_axes
+        d["sent_bytes"] = self.sent_bytes
+        d["needed_sent_bytes"] = self.needed_sent_bytes
+        d["defensive_sent_bytes"] = self.defensive_sent_bytes
         return d
 
 
@@ -260,14 +322,53 @@ class Report:
         link = self.link or _link_model.current(self.backend or "cpu")
         if c is None:
             return sum(self.seconds(x) for x in self.select())
-        sizes = dict(self.mesh)
-        n = math.prod(sizes.get(a, 1) for a in c.axes) if c.axes else max(math.prod(sizes.values()) if sizes else 2, 2)
-        return _link_model.seconds(c.kind, c.bytes, n, link) * c.executions
+        return _link_model.seconds(c.kind, c.bytes, self._group(c), link) * c.executions
+
+    def _group(self, c: Collective) -> int:
+        if c.group_size:
+            return c.group_size
+        sizes = dict(self.mesh)  # groups unread: the whole mesh, as the most it can span
+        return max(math.prod(sizes.values()) if sizes else 2, 2)
+
+    def defensive_seconds(self) -> float:
+        """Of :meth:`seconds`, the defensive parts' (each collective's time less that of the same
+        collective over its needed axes only)."""
+        link = self.link or _link_model.current(self.backend or "cpu")
+        total = 0.0
+        for c in self.select():
+            if c.defensive and c.axes is not None and len(c.sizes) == len(c.axes):
+                needed = math.prod(n for a, n in zip(c.axes, c.sizes) if a not in c.replicated_axes)
+                total += self.seconds(c) - _link_model.seconds(c.kind, c.bytes, needed, link) * c.executions
+        return total
+
+    def sent_bytes(self, kind: str | None = None, **filters: Any) -> int:
+        """Bytes each device sends per step for the matching collectives (see :meth:`select`)."""
+        return sum(c.sent_bytes for c in self.select(kind, **filters))
+
+    @property
+    def needed_sent_bytes(self) -> int:
+        """Of :meth:`sent_bytes`, the needed parts (a split collective's needed axes included)."""
+        return sum(c.needed_sent_bytes for c in self.select())
+
+    @property
+    def defensive_sent_bytes(self) -> int:
+        """Of :meth:`sent_bytes`, the defensive parts (axes the operand is replicated over)."""
+        return sum(c.defensive_sent_bytes for c in self.select())
+
+    @property
+    def with_needed_part(self) -> tuple[Collective, ...]:
+        """The live collectives that are needed over at least one of their axes."""
+        return tuple(c for c in self.select() if not c.defensive or c.split)
 
     @property
     def savable_bytes(self) -> int:
         """Per-device bytes per step that the cheaper equivalents would save."""
         return sum(c.saved_bytes for c in self.cheaper)
+
+    @property
+    def implicit_sent_bytes(self) -> int:
+        """Bytes each device sends per step for the implicit collectives."""
+        return sum(c.step_sent for c in self.implicit)
 
     @property
     def implicit_bytes(self) -> int:
@@ -319,20 +420,22 @@ class Report:
         """A readable table of the collectives and kernels."""
         head = f"collectives of {self.function} (JAX {self.jax_version}, mesh " + (
             ", ".join(f"{n}={s}" for n, s in self.mesh) or "none") + ")"
-        rows = [("#", "kind", "axes", "type", "bytes", "status", "J S H", "primitive", "source")]
+        rows = [("#", "kind", "axes", "type", "buffer B", "sent B", "status", "J S H", "primitive", "source")]
         for i, c in enumerate(self.collectives):
             marks = " ".join("x" if lvl in c.levels else "." for lvl in LEVELS)
             rows.append((str(i), c.kind + ("*" if c.is_async else ""), c.axes_text(), c.shape_text(),
-                         str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), c.status_text(), marks, c.primitive or c.origin, _short(c.source)))
+                         str(c.bytes) + (f" x{c.executions}" if c.executions > 1 else ""), str(c.sent_bytes),
+                         c.status_text(axes=True), marks, c.primitive or c.origin, _short(c.source)))
         widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
         lines = [head]
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         if not self.collectives:
             lines.append("  (no collectives)")
         live, d, dead = self.select(), self.defensive, self.dead_collectives
-        lines.append(f"  total: {len(live)} collectives, {self.bytes()} B per step; "
-                     f"{len(d)} defensive ({sum(c.step_bytes for c in d)} B)"
+        lines.append(f"  total: {len(live)} collectives, {self.sent_bytes()} B sent per device per step; "
+                     f"{len(d)} defensive ({self.defensive_sent_bytes} B of it)"
                      + (f"; {len(dead)} dead (not counted)" if dead else ""))
+        lines.append(f"  ({COST_CONVENTION})")
         if dead or any(c.folded for c in self.collectives):
             lines.append("  (J S H = jaxpr, StableHLO, compiled HLO; '.' under H: folded away by XLA; "
                          "dead: only in the jaxpr, never runs)")
@@ -363,10 +466,16 @@ class Report:
                 "dead_count": len(self.dead_collectives),
                 "defensive_count": len(self.defensive),
                 "defensive_bytes": sum(c.step_bytes for c in self.defensive),
+                "sent_bytes": self.sent_bytes(),
+                "needed_count": len(self.with_needed_part),
+                "needed_sent_bytes": self.needed_sent_bytes,
+                "defensive_sent_bytes": self.defensive_sent_bytes,
+                "defensive_est_seconds": self.defensive_seconds(),
                 "by_kind": {k: {"count": self.count(k), "bytes": self.bytes(k)}
                             for k in _hlo.KINDS if self.count(k)},
                 "implicit_count": len(self.implicit),
                 "implicit_bytes": self.implicit_bytes,
+                "implicit_sent_bytes": self.implicit_sent_bytes,
                 "cheaper_count": len(self.cheaper),
                 "savable_bytes": self.savable_bytes,
                 "est_seconds": self.seconds(),
