@@ -216,6 +216,8 @@ def test_benchmark_smoke(tmp_path):
         assert c["reprules"]["defensive_bytes"] == 0, (name, c["reprules"])
         assert c["reprules"]["needed_bytes"] == w["minimum_needed_bytes"], (name, c["reprules"])
         assert c["off"]["defensive_bytes"] > 0, (name, c["off"])
+        assert c["reprules"]["defensive_sent_bytes"] == 0 < c["off"]["defensive_sent_bytes"], (name, c)
+        assert c["off"]["sent_bytes"] == c["off"]["needed_sent_bytes"] + c["off"]["defensive_sent_bytes"]
         assert set(w["step_s"]) == set(w["variants"]) and w["step_s"]["off"]["n"] == 2
         assert "reprules/off" in w["step_ratio"] and "reprules/off" in w["lower_ratio"]
         # One round (at stack depth 1): its raw times, and its ratio as the one depth's.

@@ -425,6 +425,11 @@ def collective_summary(report: Any, repeat: Callable[[Any], int] | None) -> dict
         "defensive_count": sum(times(c) for c in cs if c.defensive),
         "defensive_bytes": sum(c.bytes * times(c) for c in cs if c.defensive),
         "needed_bytes": sum(c.bytes * times(c) for c in cs if not c.defensive),
+        # What each device sends (the report's cost model: ring algorithms over each group), a
+        # collective defensive over some of its axes split into its needed and defensive parts.
+        "sent_bytes": sum(c.sent_bytes // c.executions * times(c) for c in cs),
+        "defensive_sent_bytes": sum(c.defensive_sent_bytes // c.executions * times(c) for c in cs),
+        "needed_sent_bytes": sum(c.needed_sent_bytes // c.executions * times(c) for c in cs),
     }
     # The program's own all-reduces (traced and lowered), what reprules._demo.scale's formulas
     # count; the rest are XLA's (e.g. JAX 0.6's SPMD partitioner resharding around a scan).
@@ -740,6 +745,16 @@ def print_report(results: dict[str, Any]) -> None:
         e = r.get("expected")
         if e:
             print(f"  {name:18}{'formula':10}{'':>6}{e['off']:>10}{e['flagged_defensive']:>13}{e['needed']:>10}")
+    say("\nbytes each device sends per step (ring algorithms: all-reduce 2(n-1)/n of its buffer, all-gather "
+        "and reduce-scatter (n-1)/n; an all-reduce over more axes than its operand varies over split into its "
+        "needed and defensive parts)")
+    print(f"  {'workload':18}{'variant':10}{'sent B':>10}{'defensive B':>13}{'needed B':>10}")
+    for name, r in results["workloads"].items():
+        for v in VARIANTS:
+            c = r.get("collectives", {}).get(v)
+            if c is not None:
+                print(f"  {name:18}{v:10}{c['sent_bytes']:>10}{c['defensive_sent_bytes']:>13}"
+                      f"{c['needed_sent_bytes']:>10}")
     errors = {n: r["max_error"] for n, r in results["workloads"].items() if r.get("max_error")}
     if errors:
         print("\ngradients: max abs error against the unsharded reference")
