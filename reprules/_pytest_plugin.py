@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
@@ -153,18 +153,29 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                     f"--reprules-cpu-devices {need} (or set {INI} = {need}) to provide fake CPU devices")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Any:
-    """With ``REPRULES_VERIFY=1``, fails a test whose kernels broke their rules."""
-    yield
-    if "reprules._shim" not in sys.modules:  # nothing was verified: JAX untouched
-        return
-    from reprules import _modes, _shim  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    """With ``REPRULES_VERIFY=1``, fails a test whose kernels broke their rules (whatever the
+    test's own outcome, as the mismatch may be why it failed).
 
-    if _modes.verifying():
-        found = _shim.take_mismatches()
+    A new-style wrapper (pluggy 1.1, pytest 8): its ``pytest.fail`` is the test's outcome,
+    reported once; an old-style ``hookwrapper`` raising after its ``yield`` also printed the
+    message again in a ``PluggyTeardownRaisedWarning``."""
+    try:
+        return (yield)
+    finally:
+        found = _mismatches()
         if found:
             pytest.fail("\n\n".join(found), pytrace=False)
+
+
+def _mismatches() -> list[str]:
+    """What verify mode found since the last call (nothing when it is off, or JAX untouched)."""
+    if "reprules._shim" not in sys.modules:  # nothing was verified: JAX untouched
+        return []
+    from reprules import _modes, _shim  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+
+    return _shim.take_mismatches() if _modes.verifying() else []
 
 
 def _skip_one_device_mesh(report: Any, fixture: str) -> None:
