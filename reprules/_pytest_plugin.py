@@ -149,8 +149,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
     need, have = marker.args[0], jax.device_count()
     if have < need:
-        pytest.skip(f"needs {need} JAX devices, found {have}; run pytest with "
-                    f"--reprules-cpu-devices {need} (or set {INI} = {need}) to provide fake CPU devices")
+        # Reported (`pytest -rs`) at the test, not here: what pytest's own skip marker does
+        # (_pytest/skipping.py, pytest 7 - 9).
+        raise pytest.skip.Exception(
+            f"needs {need} JAX devices, found {have}; run pytest with --reprules-cpu-devices {need} "
+            f"(or set {INI} = {need}) to provide fake CPU devices", _use_item_location=True)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -181,7 +184,11 @@ def _mismatches() -> list[str]:
 def _skip_one_device_mesh(report: Any, fixture: str) -> None:
     """Skips the test, saying how to get devices, when ``report``'s function runs inside a
     ``shard_map`` on a mesh of one device: it has no all-reduce to find, so the fixture's
-    verdict would say nothing (issue 36: the README's test passed on one device)."""
+    verdict would say nothing (issue 36: the README's test passed on one device).
+
+    Hidden from the traceback, as the fixtures' callables are, so ``pytest -rs`` reports the
+    skip at the user's line that called the fixture, not here."""
+    __tracebackhide__ = True
     sizes = [size for _, size in report.mesh]
     if not sizes or any(size != 1 for size in sizes):
         return
