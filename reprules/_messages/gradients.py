@@ -1,7 +1,8 @@
-"""Gradients: a ``custom_vjp`` bwd whose cotangent reprules cannot make exact.
+"""Gradients: a ``custom_vjp`` bwd whose cotangent reprules cannot make exact, a kernel under ``jax.grad``.
 
 The message of :class:`~reprules.CotangentError`, in the terms of the user's bwd
-(its name and line, the element of its returned tuple quoted from its source).
+(its name and line, the element of its returned tuple quoted from its source),
+and the note added to JAX's own error where reverse mode reaches a ``pallas_call``.
 """
 
 from __future__ import annotations
@@ -108,3 +109,22 @@ def _own_returns(node: ast.AST) -> list[ast.Return]:
         elif not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
             found += _own_returns(child)
     return found
+
+
+REVERSE_MODE_MARK = "which JAX cannot differentiate in reverse mode"
+
+
+def reverse_mode_note(kernels: Sequence[str], jax_version: str) -> str:
+    """Added to JAX's error where reverse-mode differentiation reaches a ``pallas_call`` ("Linearization
+    failed", a bare ``AssertionError`` on 0.4.28): ``kernels`` as "'name' (defined at file:line)" each."""
+    return (
+        f"reprules: jax.grad (or jax.vjp, jax.linearize) reached the Pallas kernel{'s' if len(kernels) > 1 else ''} "
+        f"{', '.join(kernels)}, {REVERSE_MODE_MARK} (JAX {jax_version}).\n"
+        "Why: a pallas_call has no VJP rule: JAX differentiates it only forward (jax.jvp), as a second kernel "
+        "that computes the outputs and their tangents together, and reverse mode cannot split that kernel into "
+        "a forward pass and a backward pass. Every pallas_call under jax.grad fails so, with or without reprules.\n"
+        "Fix: wrap the call in jax.custom_vjp and give it a bwd that computes the inputs' cotangents (often a "
+        "second kernel), as in reprules' README example:\n"
+        "    f = jax.custom_vjp(lambda x: pl.pallas_call(kernel, out_shape, ...)(x))\n"
+        "    f.defvjp(lambda x: (f(x), x), lambda x, g: (dx(x, g),))  # fwd: outputs, residuals; bwd: cotangents"
+    )
