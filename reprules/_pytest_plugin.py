@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
@@ -149,28 +149,46 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
     need, have = marker.args[0], jax.device_count()
     if have < need:
-        pytest.skip(f"needs {need} JAX devices, found {have}; run pytest with "
-                    f"--reprules-cpu-devices {need} (or set {INI} = {need}) to provide fake CPU devices")
+        # Reported (`pytest -rs`) at the test, not here: what pytest's own skip marker does
+        # (_pytest/skipping.py, pytest 7 - 9).
+        raise pytest.skip.Exception(
+            f"needs {need} JAX devices, found {have}; run pytest with --reprules-cpu-devices {need} "
+            f"(or set {INI} = {need}) to provide fake CPU devices", _use_item_location=True)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Any:
-    """With ``REPRULES_VERIFY=1``, fails a test whose kernels broke their rules."""
-    yield
-    if "reprules._shim" not in sys.modules:  # nothing was verified: JAX untouched
-        return
-    from reprules import _modes, _shim  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    """With ``REPRULES_VERIFY=1``, fails a test whose kernels broke their rules (whatever the
+    test's own outcome, as the mismatch may be why it failed).
 
-    if _modes.verifying():
-        found = _shim.take_mismatches()
+    A new-style wrapper (pluggy 1.1, pytest 8): its ``pytest.fail`` is the test's outcome,
+    reported once; an old-style ``hookwrapper`` raising after its ``yield`` also printed the
+    message again in a ``PluggyTeardownRaisedWarning``."""
+    try:
+        return (yield)
+    finally:
+        found = _mismatches()
         if found:
             pytest.fail("\n\n".join(found), pytrace=False)
+
+
+def _mismatches() -> list[str]:
+    """What verify mode found since the last call (nothing when it is off, or JAX untouched)."""
+    if "reprules._shim" not in sys.modules:  # nothing was verified: JAX untouched
+        return []
+    from reprules import _modes, _shim  # lazy: the plugin loads in every pytest run; reprules only for a test that uses it
+
+    return _shim.take_mismatches() if _modes.verifying() else []
 
 
 def _skip_one_device_mesh(report: Any, fixture: str) -> None:
     """Skips the test, saying how to get devices, when ``report``'s function runs inside a
     ``shard_map`` on a mesh of one device: it has no all-reduce to find, so the fixture's
-    verdict would say nothing (issue 36: the README's test passed on one device)."""
+    verdict would say nothing (issue 36: the README's test passed on one device).
+
+    Hidden from the traceback, as the fixtures' callables are, so ``pytest -rs`` reports the
+    skip at the user's line that called the fixture, not here."""
+    __tracebackhide__ = True
     sizes = [size for _, size in report.mesh]
     if not sizes or any(size != 1 for size in sizes):
         return

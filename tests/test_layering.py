@@ -13,9 +13,11 @@ import pytest
 ROOT = pathlib.Path(__file__).parent.parent
 PACKAGE = ROOT / "reprules"
 
-# The core: no JAX, no shim, no façade.
+# The core: no JAX, no shim, no façade. The errors' messages are core too (_messages/).
+MESSAGES = {"reprules._messages", "reprules._messages.advice", "reprules._messages.out_types",
+            "reprules._messages.gradients", "reprules._messages.calls"}
 CORE = {"reprules._errors", "reprules.rules", "reprules._registry", "reprules._decide", "reprules._mode_state",
-        "reprules._version"}
+        "reprules._version"} | MESSAGES
 
 # The shim's folders, one concern each, lowest first (the shim's __init__ has the
 # same table, saying what each owns). A module imports only from its own folder,
@@ -227,7 +229,7 @@ def test_the_compatibility_page_shows_the_folders_in_their_order():
     assert set(re.findall(r"^\| `(\w+)` \|", top_table, re.M)) <= set(TOP_FOLDERS)
 
 
-TOP_FOLDERS = ["_shim", "_report", "_audit", "_demo", "_builtin_packs", "_cpu_kernels"]
+TOP_FOLDERS = ["_shim", "_report", "_audit", "_demo", "_builtin_packs", "_cpu_kernels", "_messages"]
 
 
 def test_each_folder_of_the_package_says_what_it_owns():
@@ -235,6 +237,13 @@ def test_each_folder_of_the_package_says_what_it_owns():
     assert folders == sorted(TOP_FOLDERS)
     for folder in TOP_FOLDERS:
         assert ast.get_docstring(TREES[f"reprules.{folder}"]), f"reprules/{folder}/__init__.py: say what it owns"
+
+
+def test_the_messages_are_their_folder():
+    """Every module of ``_messages/`` is core (listed in MESSAGES), and ``_errors`` builds no message
+    it could import from there: the messages import the errors, never the reverse."""
+    assert {m for m in MODULES if m.startswith("reprules._messages")} == MESSAGES
+    assert not any(m.startswith("reprules._messages") for m in MODULES["reprules._errors"])
 
 
 def test_the_report_and_the_audit_stand_in_that_order():

@@ -138,3 +138,8 @@ def test_verify_environment_variable_fails_the_test_through_the_plugin(pytester)
         monkeypatch.undo()
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*output 0 of kernel 'copy_kernel' is declared replicated over mesh axis 'data'*"])
+    # Reported once: an old-style hookwrapper that fails after its yield printed the whole
+    # message again in a PluggyTeardownRaisedWarning (issue 43).
+    text = result.stdout.str()
+    assert "PluggyTeardownRaisedWarning" not in text, text
+    assert text.count("Why: the rule promises JAX a replication the kernel does not deliver") == 1, text

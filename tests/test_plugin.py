@@ -100,6 +100,10 @@ def test_collectives(collectives):
 """)
     result = pytester.runpytest_inprocess(*PLUGIN, "-p", "no:cacheprovider", "-rs")
     result.assert_outcomes(skipped=2)
+    # Each skip is reported at the test's line that called the fixture, not in the plugin.
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_one.py:10: no_all_reduce: *",
+                                 "SKIPPED [[]1[]] test_one.py:13: collectives: *"], consecutive=True)
+    assert "_pytest_plugin.py" not in result.stdout.str()
     text = " ".join(result.stdout.str().split())
     for fixture in ("no_all_reduce", "collectives"):
         assert f"{fixture}: <lambda> runs on a mesh of 1 device (model=1; JAX " in text, text
@@ -122,7 +126,8 @@ def test_sixteen():
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines([
         "reprules *; JAX *; 4 cpu devices",
-        "*needs 16 JAX devices, found 4; run pytest with --reprules-cpu-devices 16*",
+        # Reported at the test (its decorator's line), not in the plugin.
+        "SKIPPED [[]1[]] test_devices.py:7: needs 16 JAX devices, found 4; run pytest with --reprules-cpu-devices 16*",
     ])
 
 

@@ -2,7 +2,11 @@
 
 At load time (before collection):
   * `import reprules`; every rule pack that reprules discovered (`reprules.packs()`, the
-    `reprules.rules` entry points) is loaded by importing the module it covers;
+    `reprules.rules` entry points) is loaded by importing the module it covers; every
+    `jax.config` value those imports changed is put back (ejkernel sets
+    `jax_compilation_cache_dir` and the persistent cache's thresholds, which broke JAX's
+    `test_all_gather`: the run measures reprules, not the libraries' settings), and the
+    marker lists them under `config_restored`;
   * a rule is registered for an unrelated tiny Pallas copy kernel defined here, which
     installs reprules' JAX patches (`reprules.jax_patches()` lists them).
 The state (JAX support, packs, registrations, the list of patched JAX objects) is written
@@ -22,6 +26,39 @@ import warnings
 _MARKER = os.environ.get("REPRULES_MARKER", "/tmp/jaxtests/reprules_marker.json")
 _state: dict = {"plugin_loaded": True, "argv": sys.argv}
 
+
+def _import_pack_modules(packs) -> tuple[dict, dict]:
+    """Imports the module each pack covers, then puts back every `jax.config` value the
+    imports changed. Returns ({module: "imported" or why not}, {option: what was put back})."""
+    import jax
+
+    before = dict(jax.config.values)
+    imports = {}
+    for pack in packs:
+        try:
+            importlib.import_module(pack.module)
+            imports[pack.module] = "imported"
+        except Exception as err:  # a covered module that cannot be imported here
+            imports[pack.module] = f"import failed: {type(err).__name__}: {err}"
+    restored = {}
+    for name, value in dict(jax.config.values).items():
+        if name not in before or _same(value, before[name]):
+            continue  # unchanged, or an option the imports defined (nothing to put back)
+        try:
+            jax.config.update(name, before[name])
+            restored[name] = {"set_by_packs": value, "restored_to": before[name]}
+        except Exception as err:  # an option JAX refuses to change back now
+            restored[name] = {"set_by_packs": value, "not_restored": f"{type(err).__name__}: {err}"}
+    return imports, restored
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # a value without a plain truth of equality
+        return a is b
+
+
 with warnings.catch_warnings(record=True) as _caught:
     warnings.simplefilter("always")
     import reprules
@@ -29,14 +66,7 @@ with warnings.catch_warnings(record=True) as _caught:
 
     _state["reprules_file"] = reprules.__file__
     _state["jax_support"] = reprules.jax_support()
-    _pack_imports = {}
-    for _p in reprules.packs():
-        try:
-            importlib.import_module(_p.module)
-            _pack_imports[_p.module] = "imported"
-        except Exception as err:  # a covered module that cannot be imported here
-            _pack_imports[_p.module] = f"import failed: {type(err).__name__}: {err}"
-    _state["pack_module_imports"] = _pack_imports
+    _state["pack_module_imports"], _state["config_restored"] = _import_pack_modules(reprules.packs())
     _state["packs"] = [
         {"module": p.module, "name": p.name, "state": p.state, "error": p.error} for p in reprules.packs()
     ]

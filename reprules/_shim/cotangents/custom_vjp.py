@@ -44,6 +44,7 @@ from typing import Any
 import jax
 
 from reprules import _errors
+from reprules._messages import gradients
 from reprules._shim.plumbing import _jax, _source, _types
 from reprules._shim.kernels import _identity
 from reprules._shim.rules import _resolve
@@ -388,7 +389,7 @@ def _fix_leaf(ct: Any, taint: frozenset[str] | None, primal_type: Any, index: in
             except Exception:  # noqa: BLE001
                 causes = []
         raise _errors.CotangentError(
-            _errors.mixed_cotangent_message(
+            gradients.mixed_cotangent_message(
                 call.name, input_name(call, index), str(primal_type.str_short()),
                 bad, manual, _jax.JAX_VERSION, bwd=call.bwd, position=index if leaf else None,
                 causes=causes,

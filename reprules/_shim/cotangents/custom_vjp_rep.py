@@ -32,6 +32,7 @@ from typing import Any
 import jax
 
 from reprules import _errors
+from reprules._messages import gradients
 from reprules._shim.plumbing import _jax
 from reprules._shim.kernels import _identity
 from reprules._shim.rules import _resolve
@@ -196,7 +197,7 @@ def _check(frame: _Frame, watch: _identity.Watch, run: Callable[..., Any], args:
             leaves = jax.tree_util.tree_leaves(primal) if primal is not None else []
             leaf: Any = leaves[0] if leaves else None
             raise _errors.CotangentError(
-                _errors.mixed_cotangent_message(
+                gradients.mixed_cotangent_message(
                     call.name, custom_vjp.input_name(call, index),
                     leaf.str_short() if hasattr(leaf, "str_short") else "?", bad, tuple(mesh.axis_names),
                     _jax.JAX_VERSION, psummed_by="JAX (check_rep)", bwd=call.bwd,

@@ -20,6 +20,7 @@ from reprules._registry import Registration, lookup
 from reprules._shim.plumbing import _frames, _jax
 from reprules._shim.kernels import _identity
 from reprules._shim.rules import _resolve
+from reprules._shim.entry_points import pallas_grad
 from reprules._shim.kernels._identity import PallasCall
 from reprules._shim.plumbing._patches import Patches
 
@@ -105,9 +106,14 @@ def install_pallas_hooks(
         if reg is None:  # a registered rule always wins; else perhaps a derived one
             reg = _resolve.inferred_registration(call)
             call.direct = call.direct or reg is not None  # derived from this very jaxpr
-        return on_bind(original_bind, args, call, reg)
+        try:
+            return on_bind(original_bind, args, call, reg)
+        except ValueError as err:  # direct linearize (see pallas_grad): reverse mode refused this call
+            pallas_grad.explain(err, [call])
+            raise
 
     patches.setattr(prim, "bind", bind)
+    pallas_grad.install(patches)
 
     # 3. The out_shape conversion (vma/mat), which runs before the kernel is traced.
     if convert_out_shape is None:

@@ -65,6 +65,7 @@ from typing import Any
 import jax
 
 from reprules import _errors, _mode_state
+from reprules._messages import advice, calls
 from reprules._registry import Registration, kernel_name, lookup
 from reprules._shim.plumbing import _frames, _jax, _types
 from reprules._shim.kernels import _bodies, _identity
@@ -218,7 +219,7 @@ class _Hooks:
         its body writes. Under inference that would be a rule nobody proved, so a body
         inference cannot prove is refused, saying why."""
         name, axes = kernel_name(local.get("body")), manual_axes()
-        return _errors.MissingRuleError(_errors.missing_rule_message(
+        return _errors.MissingRuleError(advice.missing_rule_message(
             name, axes, _jax.JAX_VERSION,
             jax_error=f"none: JAX {_jax.JAX_VERSION} types every output of a pl.kernel "
                       "replicated, whatever its body writes; under inference reprules refuses "
@@ -261,7 +262,7 @@ class _Hooks:
         if decided is None:
             return None
         if any(decided[0].outputs) and _types.mesh_hides(decided[1]):
-            raise _errors.RuleError(_errors.hidden_mesh_core_map_message(
+            raise _errors.RuleError(calls.hidden_mesh_core_map_message(
                 reg.name, decided[0].outputs, decided[1], _jax.JAX_VERSION))
         _identity.note_registered_call()
         act = _Activation(wrapper, reg, decided[0], out_leaves, decided[1], [jax.typeof(x) for x in operands])
@@ -285,7 +286,7 @@ class _Hooks:
                 return self._kernel_core_map(original, outer, args, params)
             reg = lookup(_frames.frame_locals(wrapped).get("f"))  # pl.core_map called directly
             if reg is not None and in_checked_shard_map():
-                raise _errors.RuleError(_errors.core_map_rule_message(reg.where, repr(reg.rule), reg.name, manual_axes(), _jax.JAX_VERSION))
+                raise _errors.RuleError(calls.core_map_rule_message(reg.where, repr(reg.rule), reg.name, manual_axes(), _jax.JAX_VERSION))
             return original(*args, **params)
 
         return bind
@@ -411,7 +412,7 @@ class _Hooks:
             if outer is not None and outer.f_code is codes.core_map_wrapped:  # 0.11+: pl.core_map
                 reg = next((r for r in map(lookup, fns) if r is not None), None)
                 if reg is not None and in_checked_shard_map():
-                    raise _errors.RuleError(_errors.core_map_rule_message(reg.where, repr(reg.rule), reg.name, manual_axes(), _jax.JAX_VERSION))
+                    raise _errors.RuleError(calls.core_map_rule_message(reg.where, repr(reg.rule), reg.name, manual_axes(), _jax.JAX_VERSION))
                 return original(*args, **params)
             if len(fns) == len(params.get("jaxprs", ())):
                 for fn, jaxpr in zip(fns, params["jaxprs"]):
@@ -431,7 +432,7 @@ class _Hooks:
                 if not isinstance(found, Registration):
                     if any(made.let_through):
                         name = _resolve.kernel_name(params)
-                        raise _errors.MissingRuleError(_errors.missing_rule_message(
+                        raise _errors.MissingRuleError(advice.missing_rule_message(
                             name, manual_axes(), _jax.JAX_VERSION,
                             jax_error="pl.kernel refuses an out_shape leaf without manual_axis_type "
                                       "under check_vma (reprules let it through for a body with a "
@@ -521,7 +522,7 @@ class _Hooks:
         if any(d != first for _, d, _ in decisions[1:]):
             answers = [(reg.where, repr(reg.rule), d.outputs, d.inputs) for reg, d, _ in decisions]
             raise _errors.RuleError(
-                _errors.mpmd_disagreement_message(answers, num_bodies, manual, _jax.JAX_VERSION))
+                calls.mpmd_disagreement_message(answers, num_bodies, manual, _jax.JAX_VERSION))
         return first, manual
 
 
@@ -543,7 +544,7 @@ def _outputs_of(avals: Any, count: int) -> _Outputs:
 
 
 def _mpmd_findings(found: Registration | infer.Refusal | None, params: dict[str, Any],
-                   args: Any) -> tuple[_errors.Finding, ...] | None:
+                   args: Any) -> tuple[advice.Finding, ...] | None:
     """What the bodies of an ``mpmd_map`` hold that is not local, for a MissingRuleError's
     advice (analysed here where inference was off: ``found`` None)."""
     try:
@@ -556,7 +557,7 @@ def _mpmd_findings(found: Registration | infer.Refusal | None, params: dict[str,
 def _rule_less_body(body: Any, refusal: Exception) -> _errors.MissingRuleError:
     """JAX refused a rule-less ``pl.kernel`` body's out_shape (0.10+): reprules' error, JAX's text kept."""
     code = _identity.code_of(body)
-    return _errors.MissingRuleError(_errors.missing_rule_message(
+    return _errors.MissingRuleError(advice.missing_rule_message(
         kernel_name(body), manual_axes(), _jax.JAX_VERSION, jax_error=str(refusal),
         site=f"defined at {code.co_filename}:{code.co_firstlineno}" if code is not None else "",
     ))

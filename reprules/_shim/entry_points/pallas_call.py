@@ -38,6 +38,7 @@ from typing import Any
 import jax
 
 from reprules import _errors
+from reprules._messages import advice
 from reprules._registry import Registration
 from reprules.rules import Decision
 from reprules._shim.plumbing import _frames, _jax
@@ -276,7 +277,7 @@ class TypedPallasCall:
             direct = True
             if reg is None:
                 raise _errors.MissingRuleError(
-                    _errors.missing_rule_message(
+                    advice.missing_rule_message(
                         call.name, manual_axes(), _jax.JAX_VERSION,
                         jax_error=str(refusal), inference=_resolve.inference_note(call, manual_axes()),
                         site=call.site_text, findings=_resolve.body_findings(call),

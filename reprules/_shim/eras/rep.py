@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from reprules import _errors, _mode_state
+from reprules._messages import advice
 from reprules._decide import decide
 from reprules._registry import Registration
 from reprules.rules import Decision, VaryingSet
@@ -107,7 +108,7 @@ def attach(op: Opaque, patches: Patches) -> None:
         jax_error = _jax_refusal(op.prim)
         call = PallasCall.of(params) if op.prim is _jax.pallas_call_p() else None
         error = _errors.MissingRuleError(
-            _errors.missing_rule_message(
+            advice.missing_rule_message(
                 op.name(params), manual_axes(mesh), _jax.JAX_VERSION, kind=op.kind,
                 jax_error=str(jax_error),
                 inference=_resolve.inference_note(call, manual_axes(mesh)) if call is not None else "",

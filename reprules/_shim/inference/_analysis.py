@@ -56,7 +56,7 @@ _EMPTY: Taint = frozenset()
 _DEVICE = -1  # a taint token: "differs per device" (the hidden PRNG state at kernel entry)
 
 
-# What a refused equation does, for a MissingRuleError's advice (reprules._errors.Finding).
+# What a refused equation does, for a MissingRuleError's advice (reprules._messages.advice.Finding).
 IDENTITY, COMMUNICATION, CALLBACK, PRNG, UNKNOWN = "identity", "communication", "callback", "prng", "unknown"
 
 

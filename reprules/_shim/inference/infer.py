@@ -20,7 +20,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from reprules import _decide
-from reprules._errors import Finding, fmt_axes
+from reprules._errors import fmt_axes
+from reprules._messages.advice import Finding
 from reprules._registry import Registration
 from reprules._shim.plumbing import _jax
 from reprules._shim.kernels import _identity

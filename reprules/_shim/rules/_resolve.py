@@ -19,8 +19,9 @@ import jax
 
 from reprules import _mode_state, _registry
 from reprules._decide import decide_call
-from reprules._errors import (Finding, RegistrationError, ReprulesError, RuleError, UnsupportedJaxError,
-                             hidden_mesh_message)
+from reprules._errors import RegistrationError, ReprulesError, RuleError, UnsupportedJaxError
+from reprules._messages.advice import Finding
+from reprules._messages.calls import hidden_mesh_message
 from reprules._registry import FfiTarget, KernelName, KernelPackage, Registration, lookup
 from reprules._shim.plumbing import _jax, _types
 from reprules._shim.kernels import _bodies, _identity

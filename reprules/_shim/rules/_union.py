@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from reprules import _errors
+from reprules._messages import out_types
 from reprules._mode_state import strict_on
 from reprules._shim.plumbing import _frames, _jax
 from reprules._shim.inference import infer
@@ -81,14 +82,14 @@ def widen(field: TypeField, out_avals: Sequence[Any], derived: Sequence[frozense
             named = subject()
         kernel, site, rule = named
         if strict_on() or i in aliased or not can_widen:
-            raise _errors.RuleError(_errors.annotation_message(
+            raise _errors.RuleError(out_types.annotation_message(
                 kernel, i, missing, needed, manual_axes(), _jax.JAX_VERSION, aliased.get(i), rule=rule))
         widened[i] = field.retype(aval, have | needed)
         with _lock:
             first = (kernel, site) not in _warned
             _warned.add((kernel, site))
         if first:
-            warnings.warn(_errors.annotation_union_message(
+            warnings.warn(out_types.annotation_union_message(
                 kernel, i, missing, have | needed, manual_axes(), _jax.JAX_VERSION, _frames.annotation_site(), rule=rule),
                 _errors.ReplicationWarning, stacklevel=2)
     return widened

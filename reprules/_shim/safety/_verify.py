@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reprules._errors import ReplicationMismatchError, VerifyWarning, fmt_axes, mismatch_fix
+from reprules._errors import ReplicationMismatchError, VerifyWarning, fmt_axes
+from reprules._messages.advice import mismatch_fix
 from reprules._registry import Registration
 from reprules import _mode_state
 from reprules._shim.plumbing import _jax

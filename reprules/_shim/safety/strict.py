@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from reprules import _errors, _mode_state
+from reprules._messages import advice
 from reprules._shim.plumbing import _frames, _jax
 from reprules._shim.rules import _resolve
 from reprules._shim.plumbing._patches import Patches
@@ -151,8 +152,8 @@ def _strict_message(primitive: Any, params: dict[str, Any], index: int, in_vary:
     if primitive in callbacks():
         return callback_message(primitive.name, index, in_vary, missing, primitive in io_callbacks())
     opaque = _resolve.describe(primitive)
-    return _errors.strict_message(opaque.kind, opaque.name(params), index, in_vary, missing, manual_axes(),
-                                  _jax.JAX_VERSION)
+    return advice.strict_message(opaque.kind, opaque.name(params), index, in_vary, missing, manual_axes(),
+                                 _jax.JAX_VERSION)
 
 
 def callback_message(name: str, index: int, in_vary: frozenset[str], missing: frozenset[str], io: bool) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from reprules import _errors
+from reprules._messages import out_types
 from reprules._shim.plumbing import _frames, _jax
 from reprules._shim.safety import strict
 from reprules._shim.sound_types import opaque_types, out_specs_note, retrace
@@ -148,7 +149,7 @@ class _NotRetypable(Exception):
 
 def _refusal(what: str, axes: frozenset[str], outs: Sequence[Any], field: TypeField, inner: str) -> Exception:
     missing = sorted(frozenset(axes) - frozenset().union(*(field.varying(o) for o in outs))) or sorted(axes)
-    return _errors.RuleError(_errors.control_flow_message(
+    return _errors.RuleError(out_types.control_flow_message(
         what, _frames.annotation_site(depth=3), sorted(axes), missing, inner, manual_axes(), _jax.JAX_VERSION))
 
 

@@ -47,6 +47,7 @@ from typing import Any
 import jax
 
 from reprules import _errors, _mode_state
+from reprules._messages import out_types
 from reprules._shim.plumbing import _frames, _jax
 from reprules._shim.kernels import _identity
 from reprules._shim.rules import _resolve
@@ -222,7 +223,7 @@ def warn(op: Opaque, params: dict[str, Any], union: frozenset[str], out_avals: S
     if op.prim in strict.io_callbacks():
         message = _io_callback_message(name, site, short, union)
     else:
-        message = _errors.sound_type_message(
+        message = out_types.sound_type_message(
             op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=_rule_target(op, name))
     if user is None:
         warnings.warn(message, _errors.ReplicationWarning, stacklevel=3)

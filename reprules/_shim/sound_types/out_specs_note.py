@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
 from typing import Any, NamedTuple
 
-from reprules import _errors
+from reprules._messages import out_types
 from reprules._shim.plumbing import _frames, _jax
 from reprules._shim.plumbing._patches import Patches
 
@@ -97,9 +97,9 @@ def _with_note(original: Callable[..., str], calls: CodeType | None, no_fail: An
             found = list({t.what: t for t in _recent if code is not None and code in t.codes}.values())
         if not found:
             return message
-        return message + "\n\n" + _errors.out_specs_note([t.what for t in found],
-                                                          sorted(frozenset().union(*(t.axes for t in found))),
-                                                          _jax.JAX_VERSION)
+        return message + "\n\n" + out_types.out_specs_note([t.what for t in found],
+                                                            sorted(frozenset().union(*(t.axes for t in found))),
+                                                            _jax.JAX_VERSION)
 
     return inout_vma_error
 
