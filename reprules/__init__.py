@@ -110,8 +110,10 @@ def replication_rule(rule: RuleLike | None = None, *, override: bool = False) ->
     result to a kernel you cannot edit). Calls of that kernel, also through
     ``functools.partial`` or with ``name=``, then work inside ``shard_map``
     with checking on, with no change at the call site. The same decorator
-    takes a ``jax.extend.core.Primitive``, ``reprules.ffi_target(name)`` or a
-    jax-triton kernel (see :data:`KernelLike`).
+    takes a ``jax.extend.core.Primitive``, ``reprules.ffi_target(name)``, a
+    jax-triton kernel (see :data:`KernelLike`), or the host function passed to
+    ``jax.pure_callback`` / ``io_callback`` (then the callback's rule, also
+    through ``functools.partial`` and bound methods).
 
     Args:
       rule: One of :mod:`reprules.rules` or any :class:`reprules.rules.Rule`
@@ -133,6 +135,9 @@ def replication_rule(rule: RuleLike | None = None, *, override: bool = False) ->
         def allreduce_kernel(x_ref, o_ref): ...
 
         replication_rule()(layer_norm.layer_norm_forward_kernel)  # someone else's kernel
+
+        @replication_rule(rules.same())  # jax.pure_callback(host_topk, ...): a function of its inputs
+        def host_topk(x): ...
         ```
     """
     from reprules import _shim  # lazy: imports JAX

@@ -88,7 +88,8 @@ def strict() -> Iterator[None]:
     device whatever its inputs): ``out_specs=P()`` is then accepted and returns
     one device's shard. Inside this context (or with ``REPRULES_STRICT=1``), such
     a call raises :class:`reprules.StrictModeError` while tracing (the callbacks
-    JAX's Pallas interpreters bind for themselves are JAX's, and left alone).
+    JAX's Pallas interpreters bind for themselves are JAX's, and left alone; a
+    callback whose host function has a rule is typed by it, and accepted).
     JAX <= 0.5 already refuses primitives without a rule, and types both
     callbacks' results varying over every mesh axis, so there this mode changes
     nothing.

@@ -32,7 +32,8 @@ class TritonKernel(Protocol):
 KernelLike = Union[Callable[..., Any], FfiTarget, KernelName, KernelPackage, "Primitive", TritonKernel]
 """What a rule can be registered on: a Pallas kernel function, ``reprules.ffi_target(name)``,
 ``reprules.kernel_named("module:qualname")``, ``reprules.kernels_in("pkg")`` (with
-``rules.inferred()``), a ``jax.extend.core.Primitive``, or a jax-triton kernel."""
+``rules.inferred()``), a ``jax.extend.core.Primitive``, a jax-triton kernel, or the host
+function of a ``jax.pure_callback`` / ``io_callback``."""
 
 K = TypeVar("K", bound=KernelLike)
 

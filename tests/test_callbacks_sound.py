@@ -7,7 +7,7 @@ of its inputs' axes (``test_sound_types.py``); an ``io_callback`` runs on every
 device against host state, so its results may differ per device even from
 replicated inputs: they are typed varying over every manual axis of the
 ``shard_map``, with one ReplicationWarning per call site. ``reprules.strict()``
-refuses both. ``REPRULES_SOUND_TYPES`` (and every mode's variable) is read per
+refuses both. (A rule on the host function types either: ``test_callback_rules.py``.) ``REPRULES_SOUND_TYPES`` (and every mode's variable) is read per
 trace: JAX caches traces by its own config only, so a change drops its caches.
 JAX's own callbacks (its Pallas TPU interpreter simulates kernels through
 ``io_callback``) are left to JAX. On JAX <= 0.5 (``check_rep``), JAX's own rules
@@ -148,8 +148,9 @@ def strict_error(name, why, typed):
     return (rf"(?s)Strict mode: the JAX callback '{name}' \(called at [^ ]*test_callbacks_sound.py:\d+ .*"
             rf"test_callbacks_sound.py:\d+ \(<lambda>\)\): {why}, but JAX typed its output 0 replicated over "
             rf"{typed} {MESH_AXES}.*"
-            r"Why: a JAX callback cannot say how its results vary.*no rule can be registered on it.*"
-            r"Fix: call it outside reprules.strict\(\).*or outside the shard_map")
+            r"Why: a JAX callback cannot say how its results vary.*its host function has no replication rule.*"
+            r"Fix: declare how its results vary.*`@reprules\.replication_rule\(.*\)  # above def host_copy`.*"
+            r"Or call it outside reprules.strict\(\).*or outside the shard_map")
 
 
 @vma_era

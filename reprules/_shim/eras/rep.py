@@ -5,7 +5,8 @@ keyed by primitive: check rules (``_check_rules``, used by ``_check_rep`` and
 eager tracing) and rewrite rules (``_rewrite_rules``, used by ``RewriteTrace``
 to insert ``pbroadcast``s whose transposes are the needed psums). reprules
 installs one check and one rewrite rule for ``pallas_call_p`` that dispatch to
-the kernel's own rule. The ``register_*`` helpers are first-wins
+the kernel's own rule (and for ``ffi_call`` and JAX's callbacks, which keep
+JAX's own rules where none is registered). The ``register_*`` helpers are first-wins
 (``setdefault``), so we write the dicts directly and restore them on removal.
 
 Rules are told only the *manual* axes of the enclosing ``shard_map``
@@ -27,7 +28,7 @@ from reprules._registry import Registration
 from reprules.rules import Decision, VaryingSet
 from reprules._shim.plumbing import _jax
 from reprules._shim.inference import infer
-from reprules._shim.rules import _resolve
+from reprules._shim.rules import _resolve, callbacks
 from reprules._shim.safety import _verify
 from reprules._shim.cotangents import custom_vjp_rep
 from reprules._shim.entry_points import _pallas_hooks
@@ -218,6 +219,12 @@ def install(patches: Patches) -> None:
     ffi = _resolve.ffi_opaque()
     if ffi is not None:
         attach(ffi, patches)
+    from jax.experimental import shard_map as sm  # lazy: JAX <= 0.5's module, as attach() does
+
+    for callback in sorted(callbacks.callbacks(), key=lambda p: p.name):
+        if callback in sm._check_rules:  # type: ignore[attr-defined]  # JAX <= 0.5 only
+            # A rule registered on the host function, else JAX's own rules (every mesh axis).
+            attach(_resolve.callback_opaque(callback), patches)
     _pallas_hooks.install_pallas_hooks(patches)  # rules dispatch by kernel jaxpr: nothing to apply at bind
     custom_vjp_rep.install(patches)  # mixed cotangents JAX would over-count: refused
     if not rep_gaps.held():  # REPRULES_DORMANT=1 (not armed at import): held while rules are, as before

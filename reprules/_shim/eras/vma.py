@@ -8,8 +8,8 @@ varying axes (``_types.TypeField``):
 * ``pallas_call``: types the outputs of a call by its kernel's rule at the bind,
   fixes the interpret-mode lowering (and, on 0.7 - 0.8, the kernel's JVP);
 * ``core_map``: the same for ``pl.kernel`` and ``pl.core_map``;
-* ``primitives``: user primitives, ``ffi_call`` and ``triton_call``, typed by
-  their abstract eval;
+* ``primitives``: user primitives, ``ffi_call``, ``triton_call`` and JAX's
+  callbacks (a rule on the host function), typed by their abstract eval;
 * ``custom_vjp``: psums a ``custom_vjp`` cotangent over the axes it varies over
   and its primal does not (JAX <= 0.5 did this itself; from 0.6.2 JAX refuses it);
 * ``opaque_types``: a rule-less opaque call (user primitive, ``ffi_call``,
@@ -27,7 +27,7 @@ The *mat* era (0.10+) is the same with another type field (``mat.py``).
 from __future__ import annotations
 
 from reprules._shim.plumbing import _jax
-from reprules._shim.rules import _resolve, pcast
+from reprules._shim.rules import _resolve, callbacks, pcast
 from reprules._shim.safety import strict
 from reprules._shim.cotangents import custom_vjp
 from reprules._shim.sound_types import control_flow, opaque_types, out_specs_note
@@ -59,6 +59,10 @@ class Regime:
         ffi = _resolve.ffi_opaque()
         if ffi is not None and not opaque_types.hooked(ffi.prim):
             self.attach(ffi, patches)
+        for callback in sorted(callbacks.callbacks(), key=lambda p: p.name):  # a rule on the host function
+            if not opaque_types.hooked(callback):  # (sound types hook them at their first checked bind)
+                opaque_types.attach_callback(self.field, _resolve.callback_opaque(callback), patches,
+                                             primitives.attach)
         core_map.install(patches, self.field)  # after pallas_call's: it wraps that conversion hook
         pcast.install(patches)
 

@@ -26,6 +26,7 @@ from reprules._registry import FfiTarget, KernelName, KernelPackage, Registratio
 from reprules._shim.plumbing import _jax, _types
 from reprules._shim.kernels import _bodies, _identity
 from reprules._shim.inference import infer
+from reprules._shim.rules import callbacks
 from reprules._shim.kernels._identity import PallasCall
 from reprules.rules import Decision, RuleContext, VaryingSet
 
@@ -43,6 +44,8 @@ def jaxpr_calls_registered(jaxpr: Any) -> bool:
             return kernel_registration_of(eqn.params) is not None
         if ffi is not None and prim is ffi.prim:
             return ffi.lookup(eqn.params) is not None
+        if prim in callbacks.callbacks():  # the rule of its host function
+            return callbacks.registration(eqn.params) is not None
         try:
             if lookup(prim) is not None or lookup(eqn.params.get("fn")) is not None:
                 return True  # a user primitive, or a jax-triton kernel
@@ -223,6 +226,8 @@ def identify(primitive: Any, params: dict[str, Any]) -> Identity:
         triton = triton_opaque()
         if primitive is triton.prim:
             return Identity(triton.lookup(params))
+    if primitive in callbacks.callbacks():
+        return Identity(callbacks.registration(params))
     return Identity(lookup(primitive))
 
 
@@ -340,6 +345,17 @@ def triton_opaque() -> Opaque:
     )
 
 
+def callback_opaque(prim: Any) -> Opaque:
+    """``jax.pure_callback`` / ``io_callback``: the rule belongs to the host function."""
+    return Opaque(
+        prim=prim,
+        kind="JAX callback",
+        lookup=callbacks.registration,
+        name=lambda params: prim.name,
+        layout=lambda params, n: (0, len(params["result_avals"])),
+    )
+
+
 def kernel_registration_of(params: dict[str, Any]) -> Registration | None:
     """The current registration behind a ``core_map`` / ``mpmd_map`` equation (its first
     registered body), else, under ``reprules.inference()``, the rule derived for it
@@ -452,6 +468,8 @@ def describe(primitive: Any) -> Opaque:
         triton = triton_opaque()
         if primitive is triton.prim:
             return triton
+    if primitive in callbacks.callbacks():
+        return callback_opaque(primitive)
     return primitive_opaque(primitive)
 
 

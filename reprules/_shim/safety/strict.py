@@ -3,10 +3,11 @@
 After each primitive is staged, an output JAX typed replicated over axes its
 inputs vary over is refused, unless the primitive has a rule or is one of
 JAX's collectives or higher-order primitives (which type their outputs
-themselves). ``jax.pure_callback`` and ``io_callback`` have no rule and cannot
-have one: both are refused like that, and ``io_callback`` (which runs on every
-device against host state) wherever JAX typed an output replicated over any
-manual axis, its inputs replicated or not. A callback JAX binds for its own
+themselves). ``jax.pure_callback`` and ``io_callback`` are typed by a rule
+registered on their host function (``rules/callbacks.py``); without one both are
+refused like that, and ``io_callback`` (which runs on every device against host
+state) wherever JAX typed an output replicated over any manual axis, its inputs
+replicated or not. A callback JAX binds for its own
 machinery (its Pallas interpreters simulate kernels through ``io_callback``) is
 JAX's, known by the module of its Python function (:func:`jax_own`). JAX <= 0.5
 refuses rule-less primitives itself.
@@ -21,7 +22,7 @@ from typing import Any
 from reprules import _errors, _mode_state
 from reprules._messages import advice
 from reprules._shim.plumbing import _frames, _jax
-from reprules._shim.rules import _resolve
+from reprules._shim.rules import _resolve, callbacks
 from reprules._shim.plumbing._patches import Patches
 from reprules._shim.plumbing._types import TypeField, checking, manual_axes
 
@@ -36,7 +37,7 @@ def install(field: TypeField, patches: Patches) -> None:
         out = original(trace, primitive, tracers, params, *rest, **kw)
         if _mode_state.strict_on() and checking() and not _exempt(primitive, params):
             in_vary = frozenset().union(*(field.varying(getattr(t, "aval", None)) for t in tracers))
-            if primitive in io_callbacks():  # may differ per device whatever its inputs
+            if primitive in callbacks.io_callbacks():  # may differ per device whatever its inputs
                 in_vary |= frozenset(manual_axes())
             outs = out if primitive.multiple_results else [out]
             for index, o in enumerate(outs):
@@ -82,24 +83,8 @@ _HIGHER_ORDER = (
     ("jax._src.lax.control_flow.solves", "linear_solve_p"),
     ("jax._src.state.discharge", "run_state_p"),
     ("jax._src.shard_map", "shard_map_p"),
-    ("jax._src.debugging", "debug_callback_p"),  # no outputs (pure_callback and io_callback: _CALLBACKS)
+    ("jax._src.debugging", "debug_callback_p"),  # no outputs (pure_callback and io_callback: rules.callbacks)
 )
-
-# JAX's callbacks: their outputs are typed by the user's result shapes, replicated whatever those
-# say (0.6 - 0.12), and nothing can be registered on them.
-_CALLBACKS = (("jax._src.callback", "pure_callback_p"), ("jax._src.callback", "io_callback_p"))
-
-
-@functools.cache
-def callbacks() -> frozenset[Any]:
-    """``jax.pure_callback``'s and ``io_callback``'s primitives."""
-    return _jax.primitives(_CALLBACKS)
-
-
-@functools.cache
-def io_callbacks() -> frozenset[Any]:
-    """``io_callback``'s primitive: it runs on every device against host state."""
-    return _jax.primitives(_CALLBACKS[1:])
 
 
 def jax_own(params: dict[str, Any]) -> bool:
@@ -108,7 +93,7 @@ def jax_own(params: dict[str, Any]) -> bool:
     through ``io_callback`` (its buffers, DMAs and semaphores, their tokens threaded through the
     kernel's loops), bound in the checked trace for ``pl.kernel`` from 0.8 (measured): JAX types
     those itself. ``jax.debug.breakpoint`` uses ``pure_callback``. A user's callback is anything else."""
-    function = getattr(params.get("callback"), "callback_func", None)  # jax._src.callback._FlatCallback
+    function = callbacks.host_function(params)
     for _ in range(8):
         inner = getattr(function, "func", None) or getattr(function, "__wrapped__", None)
         if inner is None:
@@ -140,24 +125,26 @@ def _jax_higher_order() -> frozenset[Any]:
 def _exempt(primitive: Any, params: dict[str, Any]) -> bool:
     """JAX's collectives and higher-order primitives type their outputs
     themselves; registered opaque primitives are typed by their rules; a
-    callback is checked unless JAX bound it for itself."""
+    callback is checked unless JAX bound it for itself or its host function has a rule."""
     if primitive in jax_collectives() or primitive in _jax_higher_order():
         return True
-    if primitive in callbacks():
-        return jax_own(params)
-    return _resolve.describe(primitive).lookup(params) is not None
+    if primitive in callbacks.callbacks() and jax_own(params):
+        return True
+    return _resolve.describe(primitive).lookup(params) is not None  # a callback's: its host function's rule
 
 
 def _strict_message(primitive: Any, params: dict[str, Any], index: int, in_vary: frozenset[str], missing: frozenset[str]) -> str:
-    if primitive in callbacks():
-        return callback_message(primitive.name, index, in_vary, missing, primitive in io_callbacks())
+    if primitive in callbacks.callbacks():
+        io = primitive in callbacks.io_callbacks()
+        return callback_message(primitive.name, params, index, in_vary, missing, io)
     opaque = _resolve.describe(primitive)
     return advice.strict_message(opaque.kind, opaque.name(params), index, in_vary, missing, manual_axes(),
                                  _jax.JAX_VERSION)
 
 
-def callback_message(name: str, index: int, in_vary: frozenset[str], missing: frozenset[str], io: bool) -> str:
-    """:class:`reprules.StrictModeError` for a JAX callback whose output JAX typed replicated."""
+def callback_message(name: str, params: dict[str, Any], index: int, in_vary: frozenset[str], missing: frozenset[str],
+                     io: bool) -> str:
+    """:class:`reprules.StrictModeError` for a rule-less JAX callback whose output JAX typed replicated."""
     axes, short, mesh = _errors.fmt_axes(in_vary), _errors.fmt_axes(missing), _errors.fmt_axes(manual_axes())
     site = _frames.annotation_site(depth=2)
     why = ("it runs on every device against host state, so its results may differ per device whatever its "
@@ -166,8 +153,8 @@ def callback_message(name: str, index: int, in_vary: frozenset[str], missing: fr
         f"Strict mode: the JAX callback {name!r}{f' (called at {site})' if site else ''}: {why}, but JAX typed its "
         f"output {index} replicated over {short} (mesh axes {mesh}, JAX {_jax.JAX_VERSION}).\n"
         "Why: a JAX callback cannot say how its results vary (it ignores the varying axes of result_shape_dtypes) "
-        "and no rule can be registered on it; JAX would accept out_specs that need replication and return one "
-        f"device's block, and a gradient through it would miss its psum over {short}.\n"
-        f"Fix: call it outside reprules.strict() (reprules then types its results varying over {axes}, with a "
-        "ReplicationWarning), or outside the shard_map."
+        "and its host function has no replication rule; JAX would accept out_specs that need replication and "
+        f"return one device's block, and a gradient through it would miss its psum over {short}.\n"
+        f"Fix: {callbacks.rule_fix(params, io, manual_axes())}. Or call it outside reprules.strict() (reprules "
+        f"then types its results varying over {axes}, with a ReplicationWarning), or outside the shard_map."
     )

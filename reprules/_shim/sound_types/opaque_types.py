@@ -20,8 +20,10 @@ so its results may differ per device even from replicated inputs: they are
 typed varying over every manual axis of the ``shard_map`` (it has no JVP or
 transpose: nothing to cast), with the same warning; one JAX binds for its own
 machinery (its Pallas interpreters simulate kernels through it) is JAX's
-(``strict.jax_own``). A rule, ``reprules.strict()`` (which refuses) and
-``REPRULES_SOUND_TYPES=0`` (which keeps JAX's typing) each leave it alone.
+(``strict.jax_own``). A rule (a callback's is registered on its host function:
+``rules/callbacks.py``), ``reprules.strict()`` (which refuses) and
+``REPRULES_SOUND_TYPES=0`` (which keeps JAX's typing) each leave it alone; the
+warning shows the decorator line that declares the rule.
 
 "Opaque" is decided once per primitive object: JAX's FFI and callback
 primitives, and every primitive no ``jax`` module defines. JAX's own
@@ -50,7 +52,7 @@ from reprules import _errors, _mode_state
 from reprules._messages import out_types
 from reprules._shim.plumbing import _frames, _jax
 from reprules._shim.kernels import _identity
-from reprules._shim.rules import _resolve
+from reprules._shim.rules import _resolve, callbacks
 from reprules._shim.safety import strict
 from reprules._shim.sound_types import out_specs_note
 from reprules._shim.plumbing._patches import Patches
@@ -74,7 +76,7 @@ _JAX_FFI = (
 
 @functools.cache
 def _jax_opaque() -> frozenset[Any]:
-    return _jax.primitives(_JAX_FFI) | strict.callbacks()
+    return _jax.primitives(_JAX_FFI) | callbacks.callbacks()
 
 
 def widening_on() -> bool:
@@ -104,7 +106,7 @@ def install(field: TypeField, patches: Patches, attach: Callable[[TypeField, Opa
             hook = "bind" not in vars(prim) and _opaque(prim)  # an instance hook: attached already
             if hook:
                 own = Patches()
-                (_attach_io_callback if prim in strict.io_callbacks() else attach)(field, _describe(prim), own)
+                attach_callback(field, _resolve.describe(prim), own, attach)
                 _implicit[prim] = own
         return prim.bind(*args, **params) if hook else original(prim, *args, **params)
 
@@ -176,13 +178,6 @@ def _opaque(prim: Any) -> bool:
     return id(prim) not in _jax_defined
 
 
-def _describe(prim: Any) -> Opaque:
-    if prim in strict.callbacks():  # jax.pure_callback, io_callback
-        return Opaque(prim=prim, kind="JAX callback", lookup=lambda params: None,
-                      name=lambda params: prim.name, layout=lambda params, n: (0, None))
-    return _resolve.describe(prim)
-
-
 def widening(field: TypeField, in_avals: Sequence[Any], out_avals: Sequence[Any]) -> frozenset[str] | None:
     """The union of the inputs' varying axes, where an output (with a shape) is
     typed with fewer; None where JAX's types already hold them all."""
@@ -220,8 +215,10 @@ def warn(op: Opaque, params: dict[str, Any], union: frozenset[str], out_avals: S
         _warned.add(key)
     site = _frames.annotation_site(depth=2)
     short = sorted({a for o in out_avals if hasattr(o, "shape") for a in union - field.varying(o)})
-    if op.prim in strict.io_callbacks():
-        message = _io_callback_message(name, site, short, union)
+    if op.prim in callbacks.io_callbacks():
+        message = _io_callback_message(name, params, site, short, union)
+    elif op.prim in callbacks.callbacks():
+        message = _pure_callback_message(name, params, site, short, union)
     else:
         message = out_types.sound_type_message(
             op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=_rule_target(op, name))
@@ -233,8 +230,28 @@ def warn(op: Opaque, params: dict[str, Any], union: frozenset[str], out_avals: S
                                registry=user.f_globals.setdefault("__warningregistry__", {}))
 
 
-def _io_callback_message(name: str, site: str, short: Sequence[str], typed: frozenset[str]) -> str:
-    """:class:`ReplicationWarning` for an ``io_callback`` typed varying over every manual axis."""
+def _pure_callback_message(name: str, params: dict[str, Any], site: str, short: Sequence[str],
+                           typed: frozenset[str]) -> str:
+    """:class:`ReplicationWarning` for a rule-less ``pure_callback`` typed by the union of its inputs' axes."""
+    typed_text, short_text = _errors.fmt_axes(typed), _errors.fmt_axes(short)
+    return (
+        f"The JAX callback {name!r}{f' (called at {site})' if site else ''} has inputs varying over {typed_text}, "
+        f"but JAX typed its outputs replicated over {short_text} (mesh axes {_errors.fmt_axes(manual_axes())}, "
+        f"JAX {_jax.JAX_VERSION}).\n"
+        "Why: its host function has no replication rule, and a JAX callback cannot say how its results vary (it "
+        "ignores the varying axes of result_shape_dtypes); JAX alone would accept out_specs that need them "
+        f"replicated (returning one device's block) and a gradient through it would miss its psum over "
+        f"{short_text}, silently. reprules typed every output varying over {typed_text}, the union of the inputs' "
+        "axes (JAX's rule for its own primitives), and cast the inputs up to it, so gradients are exact.\n"
+        f"Fix: {callbacks.rule_fix(params, False, manual_axes())}; that silences this (check the choice with "
+        "`with reprules.verify():`). reprules.strict() refuses such a call instead; REPRULES_SOUND_TYPES=0 keeps "
+        "JAX's typing."
+    )
+
+
+def _io_callback_message(name: str, params: dict[str, Any], site: str, short: Sequence[str],
+                         typed: frozenset[str]) -> str:
+    """:class:`ReplicationWarning` for a rule-less ``io_callback`` typed varying over every manual axis."""
     axes, short_text = _errors.fmt_axes(typed), _errors.fmt_axes(short)
     return (
         f"The JAX callback {name!r}{f' (called at {site})' if site else ''} runs on every device against host "
@@ -243,11 +260,10 @@ def _io_callback_message(name: str, site: str, short: Sequence[str], typed: froz
         "Why: JAX alone would accept out_specs that need them replicated (returning one device's block), and a "
         f"gradient through it (a custom_vjp) would miss its psum over {short_text}, silently. reprules typed every "
         f"output varying over {axes}, every manual axis of the shard_map.\n"
-        "Fix: nothing to change in your code: a JAX callback cannot say how its results vary (it ignores the "
-        "varying axes of result_shape_dtypes), so this typing is the fix; keep those axes in the out_specs, or "
-        "reduce the results over them (jax.lax.psum, jax.lax.all_gather); silence the warning with "
-        "`warnings.filterwarnings('ignore', category=reprules.ReplicationWarning)`. reprules.strict() refuses "
-        "such a call instead; REPRULES_SOUND_TYPES=0 keeps JAX's typing."
+        f"Fix: {callbacks.rule_fix(params, True, manual_axes())}; that silences this (check the choice with "
+        "`with reprules.verify():`). Keep the varying axes in the out_specs, or reduce the results over them "
+        "(jax.lax.psum, jax.lax.all_gather). reprules.strict() refuses such a call without a rule; "
+        "REPRULES_SOUND_TYPES=0 keeps JAX's typing."
     )
 
 
@@ -257,22 +273,36 @@ def _rule_target(op: Opaque, name: str) -> str:
         return f"reprules.ffi_target({name!r})"
     if op.kind == "Triton kernel":
         return name  # registered on the @triton.jit function itself
-    if op.kind == "JAX callback":
-        return ""  # nothing to register a rule on
     return f"<the {name!r} primitive>"
 
 
-def _attach_io_callback(field: TypeField, op: Opaque, patches: Patches) -> None:
-    """``io_callback``: each output typed varying over every manual axis (and the call site
-    warned about once), unless JAX bound it for itself or the mode keeps JAX's typing."""
+def attach_callback(field: TypeField, op: Opaque, patches: Patches,
+                    attach: Callable[[TypeField, Opaque, Patches], None]) -> None:
+    """The hooks of any opaque primitive: ``attach``'s (a rule, else the union of the inputs'
+    axes), or for ``io_callback`` :func:`_attach_io_callback`'s around them."""
+    if op.prim in callbacks.io_callbacks():
+        _attach_io_callback(field, op, patches, attach)
+    else:
+        attach(field, op, patches)
+
+
+def _attach_io_callback(field: TypeField, op: Opaque, patches: Patches,
+                        attach: Callable[[TypeField, Opaque, Patches], None]) -> None:
+    """``io_callback``: a call whose host function has a rule is typed by it (``attach``'s hooks,
+    as a user primitive's); each output of any other typed varying over every manual axis (and
+    the call site warned about once), unless JAX bound it for itself or the mode keeps JAX's typing."""
     prim = op.prim
     original_abstract_eval = prim.abstract_eval
     original_bind = jax_bind(prim)
+    attach(field, op, patches)
+    ruled_abstract_eval, ruled_bind = prim.abstract_eval, prim.bind
 
     def sound_here(params: dict[str, Any]) -> bool:
         return widening_on() and in_checked_shard_map() and not strict.jax_own(params)
 
     def abstract_eval(*avals: Any, **params: Any) -> Any:
+        if op.lookup(params) is not None:
+            return ruled_abstract_eval(*avals, **params)
         out, effects = original_abstract_eval(*avals, **params)
         if not sound_here(params):
             return out, effects
@@ -282,6 +312,8 @@ def _attach_io_callback(field: TypeField, op: Opaque, patches: Patches) -> None:
                     for o in out], effects
 
     def bind(*args: Any, **params: Any) -> Any:
+        if op.lookup(params) is not None:
+            return ruled_bind(*args, **params)
         if sound_here(params):
             avals = [jax.typeof(a) for a in args]
             outs = original_abstract_eval(*avals, **params)[0]
