@@ -589,7 +589,7 @@ def collectives_under_varying_branches(stablehlo, steered_axes=None, mesh_axes=M
     'data' inside a cond on ``axis_index("model")`` is fine. ``steered_axes``, where given, caps
     them (the axes the program's predicates vary over, as its author knows them)."""
     func_args, func_inside, func_returns, loops = {}, {}, {}, {}
-    for _ in range(12):  # functions' arguments and results, loops' carries: to a fixed point
+    for _ in range(64):  # functions' arguments and results, loops' carries: to a fixed point (from the bottom)
         found = _Varying(mesh_axes, func_args, func_inside, func_returns, loops).run(stablehlo)
         new_args = {f: dict(v) for f, v in found.new_args.items()}
         new_inside = {f: frozenset(v) for f, v in found.new_inside.items()}
@@ -599,7 +599,7 @@ def collectives_under_varying_branches(stablehlo, steered_axes=None, mesh_axes=M
             break
         func_args, func_inside, func_returns, loops = new_args, new_inside, found.new_returns, new_loops
     else:
-        raise AssertionError("collectives_under_varying_branches: no fixed point after 12 passes")
+        raise AssertionError("collectives_under_varying_branches: no fixed point after 64 passes")
     cap = frozenset(steered_axes) if steered_axes is not None else frozenset(name for name, _ in mesh_axes)
     spans = {}
     # The axes each function's collectives span, through its calls.

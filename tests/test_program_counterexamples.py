@@ -218,6 +218,16 @@ GROWN = {
         [("data",), ()],
         ["v2 = diff(prim_mul)(x0, x1)"],
         ["v2"], [("data",)], {}, prologue=['prim_mul = prim_op("mul", "ruleless")']),
+    # seed 1128 program 491 (JAX 0.12.0.1), minimized: under grad, a callback's output of stop_gradient-ed
+    # inputs has no tangent, so it stays in the trace below linearize's; closed over by a branch on a
+    # 'data'-varying predicate it was left uncast, and the bind-level retyping refused the custom_vjp in
+    # the loop's body.
+    "a callback's output closed over by a branch under grad": _fuzz_program(
+        [(), ("data",)],
+        ["v2 = cb_mul(sg(x0), sg(x0))",
+         "v4 = jax.lax.cond(jnp.sum(x1) > 0, lambda: jax.lax.fori_loop(0, (jnp.abs(jnp.sum(sg(v2))) * 2.0)"
+         ".astype(jnp.int32) % 4, lambda i5, c6: c6 * 0.5 + cvjp_mulsin(c6, sg(v2)), sg(x1)), lambda: x1 + v2)"],
+        ["v4"], [("data",)], {"v4": (("x1",), ())}, prologue=['cb_mul = callback_op("mul")']),
 }
 
 

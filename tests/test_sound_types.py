@@ -282,6 +282,28 @@ def test_control_flow_whose_branches_cannot_be_retyped_is_refused_with_advice_th
     assert max_err(got, off) < 1e-4
 
 
+def test_control_flow_retyped_by_an_enclosing_one_is_refused_naming_the_enclosing_axes(data):
+    """The same, one level down: a cond on a replicated predicate inside one on a varying
+    predicate, both met only at their binds. The outer one casts its branch's values up; the
+    inner one, holding a scan, cannot be typed again for them: the refusal says so (its own
+    predicate varies over nothing) and names the enclosing axes."""
+    mesh, x, w = data
+    jax_cond = inspect.unwrap(jax.lax.cond)
+
+    def body(x, w):
+        def inner():  # its predicate replicated (a constant): only the enclosing cond's cast retypes it
+            return jax_cond(jnp.ones(()) > 0.0,
+                            lambda: jax.lax.scan(lambda c, _: (c * w, None), w, None, length=2)[0], lambda: w)
+
+        return jax.lax.psum(jax_cond(x.sum() > 70.0, inner, lambda: w).sum(), "data")
+
+    with pytest.raises(reprules.RuleError, match=(
+            rf"(?s)A lax.cond / lax.switch \(called at .*test_sound_types.py.*sits in a branch of control flow whose "
+            rf"predicate varies over \{{'data'\}}: reprules cast that branch's values up to \{{'data'\}}.*JAX {VERSION}; "
+            r"jax#40823.*hold a scan at .*Fix: cast every value")):
+        jax.jit(shard_map(body, mesh, (P("data", None), P()), P()))(x, w)
+
+
 def test_control_flow_on_a_replicated_predicate_is_left_as_jax_types_it(data, monkeypatch):
     mesh, x, w = data
 

@@ -90,20 +90,16 @@ def annotation_union_message(kernel: str, index: int, missing: Iterable[str], ty
 
 
 def sound_type_message(kind: str, name: str, site: str, short: Iterable[str], typed: Iterable[str],
-                       mesh_axes: Iterable[str], jax_version: str, target: str = "") -> str:
+                       mesh_axes: Iterable[str], jax_version: str, target: str) -> str:
     """:class:`~reprules.ReplicationWarning`: a rule-less opaque call that JAX typed replicated
-    over axes its inputs vary over, typed by the union of the inputs' axes instead."""
+    over axes its inputs vary over, typed by the union of the inputs' axes instead (``target``:
+    what a rule is registered on; callbacks have their own message, with the decorator)."""
     at = f" (called at {site})" if site else ""
     typed_text, short_text = fmt_axes(typed), fmt_axes(short)
-    if target:
-        fix = (f"declare how it varies, to silence this: `import reprules`, `from reprules import rules` and "
-               f"`reprules.replication_rule(rules.same())({target})` if it computes each output from its "
-               f"inputs' values (as typed now); `rules.invariant({sorted(short)[0]!r})` instead if it all-reduces "
-               "over that axis itself (check the choice with `with reprules.verify():`)")
-    else:  # measured on 0.6 - 0.12: pure_callback drops the varying axes of result_shape_dtypes
-        fix = ("nothing to change in your code: a JAX callback cannot say how its results vary (it ignores the "
-               "varying axes of result_shape_dtypes), so this typing is the fix; silence the warning with "
-               "`warnings.filterwarnings('ignore', category=reprules.ReplicationWarning)`")
+    fix = (f"declare how it varies, to silence this: `import reprules`, `from reprules import rules` and "
+           f"`reprules.replication_rule(rules.same())({target})` if it computes each output from its "
+           f"inputs' values (as typed now); `rules.invariant({sorted(short)[0]!r})` instead if it all-reduces "
+           "over that axis itself (check the choice with `with reprules.verify():`)")
     return (
         f"The {kind} {name!r}{at} has inputs varying over {typed_text}, but JAX typed its outputs replicated "
         f"over {short_text} (mesh axes {fmt_axes(mesh_axes)}, JAX {jax_version}).\n"
@@ -117,15 +113,24 @@ def sound_type_message(kind: str, name: str, site: str, short: Iterable[str], ty
 
 
 def control_flow_message(what: str, site: str, axes: Sequence[str], missing: Sequence[str], inner: str,
-                         mesh_axes: Iterable[str], jax_version: str) -> str:
-    """:class:`~reprules.RuleError`: control flow on a varying predicate whose branches reprules cannot retype."""
+                         mesh_axes: Iterable[str], jax_version: str, enclosing: bool = False) -> str:
+    """:class:`~reprules.RuleError`: control flow on a varying predicate whose branches reprules cannot
+    retype (``enclosing``: its own predicate is replicated, its operands were cast up by an enclosing one)."""
     over = fmt_axes(axes)
     cast = _cast_up("x", tuple(axes), jax_version)
+    if enclosing:
+        what_happened = (
+            f"A {what} (called at {site}) sits in a branch of control flow whose predicate varies over {over}: "
+            f"reprules cast that branch's values up to {over} (mesh axes {fmt_axes(mesh_axes)}, JAX "
+            f"{jax_version}; jax#40823), so this {what.split(' ')[0]} must be typed again for them, ")
+    else:
+        what_happened = (
+            f"A {what} (called at {site}) has a predicate that varies over {over}, so each device may take its "
+            f"own branch, but JAX types its outputs replicated over {fmt_axes(missing)} (mesh axes "
+            f"{fmt_axes(mesh_axes)}, JAX {jax_version}; jax#40823). reprules retypes such control flow by "
+            f"casting its operands up to {over}, ")
     return (
-        f"A {what} (called at {site}) has a predicate that varies over {over}, so each device may take its own "
-        f"branch, but JAX types its outputs replicated over {fmt_axes(missing)} (mesh axes {fmt_axes(mesh_axes)}, "
-        f"JAX {jax_version}; jax#40823). reprules retypes such control flow by casting its operands up to {over}, "
-        f"but its branches hold a {inner} whose own jaxpr was typed for the old operands.\n"
+        what_happened + f"but its branches hold a {inner} whose own jaxpr was typed for the old operands.\n"
         "Why: with JAX's types, out_specs that need those outputs replicated return one device's value, and a "
         "gradient through the branches misses its psum, silently.\n"
         f"Fix: cast every value the branches use (captured ones too) up to {over} before the "

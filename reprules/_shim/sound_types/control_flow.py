@@ -79,7 +79,7 @@ def _cond_bind(field: TypeField, bind: Callable[..., Any]) -> Callable[..., Any]
             new_branches = tuple(_retrace(field, b, [jax.typeof(o) for o in cast], targets) for b in branches)
         except _NotRetypable as err:
             if short or retyped:
-                raise _refusal("lax.cond / lax.switch", axes, outs, field, str(err)) from None
+                raise _refusal("lax.cond / lax.switch", axes, outs, field, str(err), operands) from None
             return bind(index, *operands, branches=branches, **params)  # its types were sound: JAX's cond
         if short:
             out_specs_note.record(f"a lax.cond / lax.switch whose predicate varies over {sorted(axes)} "
@@ -103,7 +103,7 @@ def _while_bind(field: TypeField, bind: Callable[..., Any]) -> Callable[..., Any
                                                             body_nconsts)
             except _NotRetypable as err:
                 raise _refusal("lax.while_loop", field.varying(cond_jaxpr.out_avals[0]), body_jaxpr.out_avals,
-                               field, str(err)) from None
+                               field, str(err), args) from None
         return bind(*args, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr, cond_nconsts=cond_nconsts,
                     body_nconsts=body_nconsts, **params)
 
@@ -147,10 +147,17 @@ class _NotRetypable(Exception):
     """A jaxpr holds an equation reprules cannot retype (named in the message)."""
 
 
-def _refusal(what: str, axes: frozenset[str], outs: Sequence[Any], field: TypeField, inner: str) -> Exception:
+def _refusal(what: str, axes: frozenset[str], outs: Sequence[Any], field: TypeField, inner: str,
+             operands: Sequence[Any] = ()) -> Exception:
+    """The refusal of a cond / while whose jaxprs hold ``inner``; with a replicated predicate, one whose
+    ``operands`` an enclosing retyping cast up."""
+    enclosing = not axes
+    if enclosing:
+        axes = frozenset().union(*(field.varying(jax.typeof(o)) for o in operands))
     missing = sorted(frozenset(axes) - frozenset().union(*(field.varying(o) for o in outs))) or sorted(axes)
     return _errors.RuleError(out_types.control_flow_message(
-        what, _frames.annotation_site(depth=3), sorted(axes), missing, inner, manual_axes(), _jax.JAX_VERSION))
+        what, _frames.annotation_site(depth=3), sorted(axes), missing, inner, manual_axes(), _jax.JAX_VERSION,
+        enclosing=enclosing))
 
 
 def _cast(field: TypeField, values: Sequence[Any], avals: Sequence[Any], axes: frozenset[str]) -> list[Any]:

@@ -239,7 +239,21 @@ def _inside(x: Any, axes: frozenset[str], here: Any) -> bool:
     may be typed on no mesh at all."""
     mesh = getattr(getattr(x.aval, "sharding", None), "mesh", None)
     return (type(x.aval) is core.ShapedArray and x._trace.is_valid()
-            and (x._trace is here or axes <= frozenset(getattr(mesh, "manual_axes", ()))))
+            and (_made_here(x._trace, here) or axes <= frozenset(getattr(mesh, "manual_axes", ()))))
+
+
+def _made_here(trace: Any, here: Any) -> bool:
+    """``trace`` is ``here``, or is reached from it through the transformations (JVP, linearize,
+    vmap) of the same staged function: a value with no tangent, or unbatched, stays in the trace
+    below (under ``grad``, a callback's output of ``stop_gradient``-ed inputs)."""
+    t = here
+    for _ in range(32):  # (a short chain; a bound against a cycle)
+        if t is trace:
+            return True
+        if t is None or (t is not here and isinstance(t, pe.DynamicJaxprTrace)):
+            return False  # the staged function's own trace: nothing below it is its value
+        t = getattr(t, "parent_trace", None)
+    return False
 
 
 def _closed_over(funs: Sequence[Any]) -> list[Any]:
