@@ -77,16 +77,25 @@ def main():
 
 
 def audit_step(check=True):
-    """The target of ``reprules audit examples/01_issue21855.py``: the gradient of
-    ``sum(copy(x) * w)``, with checking off (``check=False``) or on (the kernel
-    has no rule here: inference covers it, as the audit's row says)."""
+    """The target of ``reprules audit examples/01_issue21855.py``: the gradients of
+    ``sum(copy(x) * w)`` for ``x`` and for ``w``, a weight replicated over the mesh (a
+    row per device block of ``x``), with checking off (``check=False``) or on (the
+    kernel has no rule here: inference covers it, as the audit's row says).
+
+    Checking off, ``w``'s gradient is one all-reduce over ``('data', 'model')``: its
+    ``data`` part is needed (``x`` varies there), its ``model`` part defensive, and the
+    audit shows the two parts; with reprules it is the all-reduce over ``data`` alone."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     rng = np.random.RandomState(0)
     x = jax.device_put(rng.randn(8, 128).astype(np.float32), NamedSharding(mesh, P("data", None)))
+    w = rng.randn(2, 128).astype(np.float32)  # replicated: every device's block of x times it
     weights = rng.randn(8, 128).astype(np.float32)
-    sharded = testing.shard_map(kernel_copy, mesh, P("data", None), P("data", None), check=check)
-    return {"step": jax.grad(lambda x: (sharded(x) * weights).sum()), "args": (x,),
-            "reference": lambda: weights, "name": "issue21855"}
+    sharded = testing.shard_map(lambda x, w: kernel_copy(x) * w, mesh, (P("data", None), P()), P("data", None),
+                                check=check)
+    x_host = np.asarray(x)
+    reference = (weights * np.tile(w, (4, 1)), (x_host * weights).reshape(4, 2, 128).sum(0))  # d/dx, d/dw
+    return {"step": jax.grad(lambda x, w: (sharded(x, w) * weights).sum(), argnums=(0, 1)), "args": (x, w),
+            "reference": lambda: reference, "name": "issue21855"}
 
 
 if __name__ == "__main__":

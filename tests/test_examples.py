@@ -95,6 +95,15 @@ def test_reprules_audit_of_the_example(script, capsys):
     assert w["error"] is None, w["error"]
     assert w["off"]["defensive_count"] >= 1 and w["on"]["defensive_count"] == 0, w
     assert w["on"]["max_error"] is None or w["on"]["max_error"] < 1e-4
+    if script == "01_issue21855.py":
+        # The replicated weight's gradient: one all-reduce over (data, model) with checking off,
+        # needed over data, defensive over model; with reprules, the same all-reduce over data alone.
+        (split,) = [c for c in w["off"]["collectives"] if c["needed_axes"] and c["defensive"]]
+        (alone,) = [c for c in w["on"]["collectives"] if c["axes"] == ["data"] and not c["dead"]]
+        assert sorted(split["axes"]) == ["data", "model"] and split["replicated_axes"] == ["model"], split
+        assert split["needed_sent_bytes"] == alone["sent_bytes"] == 1536  # 2 * 3/4 * the 1024 B buffer
+        assert split["defensive_sent_bytes"] == split["sent_bytes"] - 1536 == 256  # 2 * 7/8 * 1024 - 1536
+        assert w["off"]["defensive_sent_bytes"] == 1024 + 256  # x's all-reduce over 'model', then w's part
 
 
 def rows(stdout, names):
