@@ -15,7 +15,7 @@ gets ``reprules.testing.fake_cpu_devices(8)`` first. Markers, as HTML comments
 
 README.md's ```python blocks, in order, are one pytest file (its example, then
 the pytest plugin's): it passes under pytest with the plugin, on every JAX the
-tests run on. The README stays short (at most 250 lines, an example of at
+tests run on. The README stays short (at most 200 lines, an example of at
 most 15), its links point at files that exist, and its example and JAX table
 are the site's.
 
@@ -114,7 +114,7 @@ def readme_python():
 
 def test_readme_is_short():
     lines = README.read_text().splitlines()
-    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move details to .docs/pages/"
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move details to .docs/pages/"
     example = readme_python()[0].splitlines()
     assert len(example) <= 15, f"README.md's example has {len(example)} lines"
     assert any("@reprules.replication_rule(" in line for line in example)
