@@ -124,7 +124,7 @@ def test_replicated_out_specs_over_a_callback_result_is_refused(data, name):
     op = {"pure_callback": pure, "io_callback": io, "io_callback_ordered": functools.partial(io, ordered=True)}[name]
     what = ("the JAX callback 'pure_callback', which has no rule" if name == "pure_callback"
             else "the JAX callback 'io_callback', which runs on every device")
-    note = (rf"(?s)out_specs.*reprules \(JAX {VERSION}\): these values vary over .*{what} at "
+    note = (rf"(?s)out_specs.*reprules \(mesh axes \{{'data', 'model'\}}, JAX {VERSION}\): these values vary over .*{what} at "
             r".*test_callbacks_sound.py.*Fix: keep .* in the out_specs")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", reprules.ReplicationWarning)

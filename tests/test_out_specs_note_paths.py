@@ -90,7 +90,7 @@ def _note(function, construct):
     """JAX's refusal for ``function`` (mesh axes named), then reprules' note naming ``construct``."""
     return (rf"(?s)^shard_map applied to the function '{function}' was given out_specs which require replication"
             r".*axis names \('data', 'model'\).*out_specs.*inferred to be possibly varying over \{data\}"
-            rf".*reprules \(JAX {VERSION}\): these values vary over \{{'data'\}}.*{construct}[^\n]* at "
+            rf".*reprules \(mesh axes \{{'data', 'model'\}}, JAX {VERSION}\): these values vary over \{{'data'\}}.*{construct}[^\n]* at "
             r"[^\n]*test_out_specs_note_paths\.py:\d+.*Fix: keep \{'data'\} in the out_specs.*rather than turn "
             r"checking off\.")
 
@@ -127,7 +127,7 @@ def test_under_grad_each_refused_output_is_named_by_its_path_in_the_out_specs(da
         with pytest.raises(ValueError, match=(
                 r"(?s)function 'body'.*\* out_specs\['a'\] is (P|PartitionSpec)\(\).*\* out_specs\['c'\]\[0\] is "
                 r"(P|PartitionSpec)\(\)"
-                rf".*reprules \(JAX {VERSION}\).*a lax\.cond\b")) as refused:
+                rf".*reprules \(mesh axes \{{'data', 'model'\}}, JAX {VERSION}\).*a lax\.cond\b")) as refused:
             run(x, w)
         assert "out_specs['b']" not in str(refused.value) and "out_specs['c'][1]" not in str(refused.value)
 

@@ -108,7 +108,7 @@ def test_rule_less_opaque_call_gradient_is_exact(data, name):
 def test_replicated_out_specs_over_a_varying_opaque_result_is_refused(data, name):
     op, subject = OPS[name]
     mesh, x, _ = data
-    note = (rf"(?s)out_specs.*check_vma=False.*reprules \(JAX {VERSION}\): these values vary over \{{'data'\}}.*"
+    note = (rf"(?s)out_specs.*check_vma=False.*reprules \(mesh axes \{{'data', 'model'\}}, JAX {VERSION}\): these values vary over \{{'data'\}}.*"
             rf"the {re.escape(subject)}, which has no rule at .*test_sound_types.py.*Fix: keep \{{'data'\}} in the "
             r"out_specs")
     if name == "ffi_call" and JAX_VERSION < (0, 8, 2):
@@ -241,7 +241,7 @@ def test_replicated_out_specs_over_varying_control_flow_is_refused(data):
 
     for f, what in ((cond, "lax.cond"), (loop, "lax.while_loop")):
         with pytest.raises(ValueError, match=(  # JAX alone: accepted, device 0's value
-                rf"(?s)out_specs.*reprules \(JAX {VERSION}\): these values vary over \{{'data'\}}.*a {what} whose "
+                rf"(?s)out_specs.*reprules \(mesh axes \{{'data', 'model'\}}, JAX {VERSION}\): these values vary over \{{'data'\}}.*a {what} whose "
                 rf"predicate varies over \['data'\] \(jax#40823\) at .*test_sound_types.py:\d+ \({f.__name__}\).*"
                 r"Fix: keep \{'data'\}")):
             jax.jit(shard_map(f, mesh, P("data", None), P()))(x)

@@ -139,11 +139,13 @@ def control_flow_message(what: str, site: str, axes: Sequence[str], missing: Seq
     )
 
 
-def out_specs_note(whats: Sequence[str], axes: Sequence[str], jax_version: str) -> str:
+def out_specs_note(whats: Sequence[str], axes: Sequence[str], jax_version: str,
+                   mesh_axes: Iterable[str] = ()) -> str:
     """Appended to JAX's out_specs replication error where reprules typed the values varying."""
     listed = "\n".join(f"  * {w}" for w in whats)
+    mesh = f"mesh axes {fmt_axes(mesh_axes)}, " if mesh_axes else ""
     return (
-        f"reprules (JAX {jax_version}): these values vary over {fmt_axes(axes)} because of calls that JAX alone "
+        f"reprules ({mesh}JAX {jax_version}): these values vary over {fmt_axes(axes)} because of calls that JAX alone "
         f"types replicated while they differ per device; reprules typed them soundly:\n{listed}\n"
         "Why: JAX alone would accept these out_specs and return one device's value, and so would "
         "check_vma=False.\n"

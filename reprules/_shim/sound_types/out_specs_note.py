@@ -99,7 +99,7 @@ def _with_note(original: Callable[..., str], calls: CodeType | None, no_fail: An
             return message
         return message + "\n\n" + out_types.out_specs_note([t.what for t in found],
                                                             sorted(frozenset().union(*(t.axes for t in found))),
-                                                            _jax.JAX_VERSION)
+                                                            _jax.JAX_VERSION, tuple(getattr(mesh, "axis_names", ())))
 
     return inout_vma_error
 
