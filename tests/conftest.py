@@ -57,3 +57,16 @@ def mesh():
     from helpers import make_mesh
 
     return make_mesh()
+
+
+@pytest.fixture(scope="module")
+def data():
+    """The mesh, an ``x`` split over 'data' (data-dependent: XLA folds no constant) and a
+    replicated weight ``w``: the data-parallel case of the sound-types tests."""
+    from helpers import make_mesh, put, randn
+    from jax.sharding import PartitionSpec as P
+
+    mesh = make_mesh()
+    x = put(randn(0, (8, 16)) + 2.0, mesh, P("data", None))
+    w = put(randn(1, (16,)), mesh, P())
+    return mesh, x, w

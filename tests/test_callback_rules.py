@@ -30,7 +30,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import NEW_SHARD_MAP, env_with_cpu_devices, make_mesh, max_err, put, randn, shard_map
+from helpers import NEW_SHARD_MAP, env_with_cpu_devices, max_err, put, randn, shard_map
 from reprules import rules
 
 vma_era = pytest.mark.skipif(not NEW_SHARD_MAP, reason=f"JAX {jax.__version__} (check_rep) types callbacks varying "
@@ -79,14 +79,6 @@ def pure(host, x):
 
 def io(host, x):
     return io_callback(host, shape_of(x), x)
-
-
-@pytest.fixture(scope="module")
-def data():
-    mesh = make_mesh()
-    x = put(randn(0, (8, 16)) + 2.0, mesh, P("data", None))  # data-dependent: no constant folding
-    w = put(randn(1, (16,)), mesh, P())
-    return mesh, x, w
 
 
 def register(host, rule):

@@ -27,7 +27,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import JAX_VERSION, NEW_SHARD_MAP, make_mesh, max_err, put, randn, shard_map
+from helpers import JAX_VERSION, NEW_SHARD_MAP, max_err, put, randn, shard_map
 
 vma_era = pytest.mark.skipif(not NEW_SHARD_MAP, reason="JAX <= 0.5 types callbacks varying over every mesh axis "
                              "itself (check_rep rules); sound types and strict mode are for JAX 0.6+")
@@ -54,14 +54,6 @@ def io_vjp(x, ordered):
 
 
 io_vjp.defvjp(lambda x, ordered: (io(x, ordered), None), lambda ordered, _, g: (g,))
-
-
-@pytest.fixture(scope="module")
-def data():
-    mesh = make_mesh()
-    x = put(randn(0, (8, 16)) + 2.0, mesh, P("data", None))  # data-dependent: no constant folding
-    w = put(randn(1, (16,)), mesh, P())
-    return mesh, x, w
 
 
 def reference(x, w):

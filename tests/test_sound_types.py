@@ -23,7 +23,7 @@ from jax.interpreters import ad, mlir
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import (JAX_VERSION, NEW_SHARD_MAP, count_all_reduce, make_mesh, max_err, psum_axes, put, randn,
+from helpers import (JAX_VERSION, NEW_SHARD_MAP, count_all_reduce, max_err, psum_axes, put, randn,
                      shard_map)
 from reprules.testing import cpu_kernels
 
@@ -58,14 +58,6 @@ OPS = {
 }
 if cpu_kernels.unavailable_reason() is None:
     OPS["ffi_call"] = (cpu_kernels.copy, "FFI target 'reprules_copy'")
-
-
-@pytest.fixture(scope="module")
-def data():
-    mesh = make_mesh()
-    x = put(randn(0, (8, 16)) + 2.0, mesh, P("data", None))  # data-dependent: no constant folding
-    w = put(randn(1, (16,)), mesh, P())
-    return mesh, x, w
 
 
 def _loss(op):
