@@ -30,7 +30,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import NEW_SHARD_MAP, env_with_cpu_devices, max_err, put, randn, shard_map
+from helpers import NEW_SHARD_MAP, env_with_cpu_devices, max_err, shard_map
 from reprules import rules
 
 vma_era = pytest.mark.skipif(not NEW_SHARD_MAP, reason=f"JAX {jax.__version__} (check_rep) types callbacks varying "

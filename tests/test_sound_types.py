@@ -23,7 +23,7 @@ from jax.interpreters import ad, mlir
 from jax.sharding import PartitionSpec as P
 
 import reprules
-from helpers import (JAX_VERSION, NEW_SHARD_MAP, count_all_reduce, max_err, psum_axes, put, randn,
+from helpers import (JAX_VERSION, NEW_SHARD_MAP, count_all_reduce, max_err, psum_axes, put,
                      shard_map)
 from reprules.testing import cpu_kernels
 
