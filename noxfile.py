@@ -92,10 +92,11 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
         _install(session, WARP, *KUPS_IMPORTS, f"jax=={jax}", f"jaxlib=={jax}")
         _install(session, "--no-deps", KUPS)
     # The soundness fuzzer (tests/test_fuzz_inference.py): a seed that changes between runs,
-    # printed here so that a failure can be replayed; 300 kernels on the newest JAX, 100 elsewhere.
+    # printed here so that a failure can be replayed; 300 kernels on the newest JAX, 40 elsewhere (its
+    # kernels' jaxprs differ little between versions; the share elsewhere checks each version's forms).
     seed = os.environ.get("REPRULES_FUZZ_SEED") or str(int(time.time()) % 2**31)
     newest = jax == JAX_MATRIX[-1] and counts is None
-    count = os.environ.get("REPRULES_FUZZ_COUNT") or (counts[0] if counts else "300" if newest else "100")
+    count = os.environ.get("REPRULES_FUZZ_COUNT") or (counts[0] if counts else "300" if newest else "40")
     session.log(f"soundness fuzzer: REPRULES_FUZZ_SEED={seed}, {count} kernels on JAX {jax}")
     # The program fuzzer (tests/test_fuzz_programs.py): the same seed; 200 programs on the
     # newest JAX, 50 elsewhere.

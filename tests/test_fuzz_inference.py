@@ -1,7 +1,7 @@
 """The differential soundness fuzzer (tests/fuzz_kernels.py) on this JAX.
 
 Each run checks ``REPRULES_FUZZ_COUNT`` generated kernels (the noxfile asks for
-300 on the newest JAX and 100 on every other) from a seed that changes between
+300 on the newest JAX and 40 on every other) from a seed that changes between
 runs: ``REPRULES_FUZZ_SEED`` if set (the noxfile sets and prints it), else one
 shared by the run's xdist workers. A failure prints the seed, the kernel's
 index and its source; ``python tests/fuzz_kernels.py --seed S --start I
