@@ -112,6 +112,35 @@ def sound_type_message(kind: str, name: str, site: str, short: Iterable[str], ty
     )
 
 
+def callback_message(name: str, site: str, short: Iterable[str], typed: Iterable[str], mesh_axes: Iterable[str],
+                     jax_version: str, fix: str, io: bool) -> str:
+    """:class:`~reprules.ReplicationWarning`: a rule-less JAX callback typed soundly: a ``pure_callback``
+    by the union of its inputs' axes, an ``io_callback`` (``io``) varying over every manual axis;
+    ``fix``: the rule to declare, as the shim finds the host function."""
+    at = f" (called at {site})" if site else ""
+    typed_text, short_text, mesh = fmt_axes(typed), fmt_axes(short), fmt_axes(mesh_axes)
+    if io:
+        what = (f"runs on every device against host state, so its results may differ per device whatever its "
+                f"inputs, but JAX typed them replicated over {short_text}")
+        typing = f"every output varying over {typed_text}, every manual axis of the shard_map"
+        keep = (" Keep the varying axes in the out_specs, or reduce the results over them (jax.lax.psum, "
+                "jax.lax.all_gather).")
+    else:
+        what = f"has inputs varying over {typed_text}, but JAX typed its outputs replicated over {short_text}"
+        typing = (f"every output varying over {typed_text}, the union of the inputs' axes (JAX's rule for its own "
+                  "primitives), and cast the inputs up to it, so gradients are exact")
+        keep = ""
+    return (
+        f"The JAX callback {name!r}{at} {what} (mesh axes {mesh}, JAX {jax_version}).\n"
+        "Why: its host function has no replication rule, and a JAX callback cannot say how its results vary (it "
+        "ignores the varying axes of result_shape_dtypes); JAX alone would accept out_specs that need them "
+        f"replicated (returning one device's block) and a gradient through it would miss its psum over "
+        f"{short_text}, silently. reprules typed {typing}.\n"
+        f"Fix: {fix}; that silences this (check the choice with `with reprules.verify():`).{keep} "
+        "reprules.strict() refuses such a call without a rule; REPRULES_SOUND_TYPES=0 keeps JAX's typing."
+    )
+
+
 def control_flow_message(what: str, site: str, axes: Sequence[str], missing: Sequence[str], inner: str,
                          mesh_axes: Iterable[str], jax_version: str, enclosing: bool = False) -> str:
     """:class:`~reprules.RuleError`: control flow on a varying predicate whose branches reprules cannot

@@ -233,38 +233,15 @@ def warn(op: Opaque, params: dict[str, Any], union: frozenset[str], out_avals: S
 def _pure_callback_message(name: str, params: dict[str, Any], site: str, short: Sequence[str],
                            typed: frozenset[str]) -> str:
     """:class:`ReplicationWarning` for a rule-less ``pure_callback`` typed by the union of its inputs' axes."""
-    typed_text, short_text = _errors.fmt_axes(typed), _errors.fmt_axes(short)
-    return (
-        f"The JAX callback {name!r}{f' (called at {site})' if site else ''} has inputs varying over {typed_text}, "
-        f"but JAX typed its outputs replicated over {short_text} (mesh axes {_errors.fmt_axes(manual_axes())}, "
-        f"JAX {_jax.JAX_VERSION}).\n"
-        "Why: its host function has no replication rule, and a JAX callback cannot say how its results vary (it "
-        "ignores the varying axes of result_shape_dtypes); JAX alone would accept out_specs that need them "
-        f"replicated (returning one device's block) and a gradient through it would miss its psum over "
-        f"{short_text}, silently. reprules typed every output varying over {typed_text}, the union of the inputs' "
-        "axes (JAX's rule for its own primitives), and cast the inputs up to it, so gradients are exact.\n"
-        f"Fix: {callbacks.rule_fix(params, False, manual_axes())}; that silences this (check the choice with "
-        "`with reprules.verify():`). reprules.strict() refuses such a call instead; REPRULES_SOUND_TYPES=0 keeps "
-        "JAX's typing."
-    )
+    return out_types.callback_message(name, site, short, typed, manual_axes(), _jax.JAX_VERSION,
+                                      callbacks.rule_fix(params, False, manual_axes()), io=False)
 
 
 def _io_callback_message(name: str, params: dict[str, Any], site: str, short: Sequence[str],
                          typed: frozenset[str]) -> str:
     """:class:`ReplicationWarning` for a rule-less ``io_callback`` typed varying over every manual axis."""
-    axes, short_text = _errors.fmt_axes(typed), _errors.fmt_axes(short)
-    return (
-        f"The JAX callback {name!r}{f' (called at {site})' if site else ''} runs on every device against host "
-        f"state, so its results may differ per device whatever its inputs, but JAX typed them replicated over "
-        f"{short_text} (mesh axes {_errors.fmt_axes(manual_axes())}, JAX {_jax.JAX_VERSION}).\n"
-        "Why: JAX alone would accept out_specs that need them replicated (returning one device's block), and a "
-        f"gradient through it (a custom_vjp) would miss its psum over {short_text}, silently. reprules typed every "
-        f"output varying over {axes}, every manual axis of the shard_map.\n"
-        f"Fix: {callbacks.rule_fix(params, True, manual_axes())}; that silences this (check the choice with "
-        "`with reprules.verify():`). Keep the varying axes in the out_specs, or reduce the results over them "
-        "(jax.lax.psum, jax.lax.all_gather). reprules.strict() refuses such a call without a rule; "
-        "REPRULES_SOUND_TYPES=0 keeps JAX's typing."
-    )
+    return out_types.callback_message(name, site, short, typed, manual_axes(), _jax.JAX_VERSION,
+                                      callbacks.rule_fix(params, True, manual_axes()), io=True)
 
 
 def _rule_target(op: Opaque, name: str) -> str:
