@@ -2,7 +2,10 @@
 
 ``recurrentgemma.jax.pallas.lru_pallas_scan`` (what ``scan.linear_scan`` runs with
 ``ScanType.LINEAR_PALLAS``) inside ``shard_map`` on the (4, 2) ("data", "model")
-mesh, batch over ``data``, with checking on, in TPU interpret mode:
+mesh, batch over ``data``, with checking on, run by Pallas' HLO interpreter
+(``pltpu.force_tpu_interpret_mode(True)``: ``interpret=True`` for every call; the kernel
+uses nothing TPU-specific, and TPU interpret mode's simulation across devices can
+deadlock against XLA's CPU collectives, checking off too):
 
 * the sequence over ``model`` (``seq_axis="model"``: each device scans its chunk,
   then ``multi_shard_correction`` all-gathers the chunks' last states), with and
@@ -85,7 +88,7 @@ def test_lru_scan_forward_and_gradients_are_exact(mesh, layout, reverse, with_h0
         grad = jax.grad(lambda *v: (f(*v) * t).sum(), argnums=argnums)
         return grad, jax.jit(lambda *v: (f(*v), grad(*v)))
 
-    with pltpu.force_tpu_interpret_mode():
+    with pltpu.force_tpu_interpret_mode(True):
         grad_on, on = step(shard_map(body, mesh, specs, spec))
         grad_off, off = step(shard_map(body, mesh, specs, spec, check=False))
         (out_on, g_on), (out_off, g_off) = on(*sharded), off(*sharded)
@@ -131,7 +134,7 @@ def test_the_final_state_replicated_is_refused_by_jax_and_one_copy_is_exact(mesh
     def reference(x, a, h0):
         return rg_scan.lru_linear_scan(x, a, h0)
 
-    with pltpu.force_tpu_interpret_mode():
+    with pltpu.force_tpu_interpret_mode(True):
         with pytest.raises(ValueError, match="out_specs"):
             jax.jit(shard_map(_final_state(False), mesh, specs, outs))(*sharded)
         on = shard_map(_final_state(True), mesh, specs, outs)
