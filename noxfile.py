@@ -54,6 +54,18 @@ MAXTEXT_IMPORTS = ["aqtp", "jinja2", "pathwaysutils"]
 WARP = "warp-lang==1.19.0"
 KUPS = "kups==1.0.8"
 KUPS_IMPORTS = ["slub"]
+# recurrentgemma pins numpy < 2.4 (and pulls torch with its extras): installed without its pins;
+# importing recurrentgemma.jax.pallas imports the whole recurrentgemma.jax package (flax, orbax).
+RECURRENTGEMMA = "recurrentgemma==1.0.1"
+RECURRENTGEMMA_IMPORTS = ["absl-py", "einops", "flax", "jaxtyping", "orbax-checkpoint", "sentencepiece", "typeguard<3"]
+# Levanter (PyPI marin-levanter) pins jax < 0.12 and brings transformers, wandb, datasets...:
+# it and its marin-* siblings at the same version without dependencies, then what its fused
+# cross-entropy's modules import (finestore/rigging reach for cloud storage at import).
+MARIN = "0.2.227.dev40316220070"
+LEVANTER = [f"marin-levanter=={MARIN}", f"marin-haliax=={MARIN}", f"marin-rigging=={MARIN}",
+            f"marin-finestore=={MARIN}"]
+LEVANTER_IMPORTS = ["aqtp", "braceexpand", "draccus", "equinox", "google-cloud-storage", "msgspec", "pyarrow",
+                    "pydantic", "requests", "s3fs", "safetensors", "zstandard"]
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -209,7 +221,7 @@ def main(session: nox.Session) -> None:
 
 @nox.session(python="3.12")
 def coverage(session: nox.Session) -> None:
-    """Every op of JAX's Pallas ops, ejkernel, tokamax and MaxText's kernels, measured on CPU.
+    """Every op of the kernel libraries reprules has packs or cases for, measured on CPU.
 
     ``.ci/coverage/run.py``: each op in its own process, unsharded, with checking off, with
     checking on and only ``import reprules``, and under ``reprules.inference()``; prints the
@@ -219,6 +231,7 @@ def coverage(session: nox.Session) -> None:
     jax = JAX_MATRIX[-1]
     pins = (f"jax=={jax}", f"jaxlib=={jax}")
     _install(session, *pins, "-e", ".[test,tokamax]")
-    _install(session, "--no-deps", EJKERNEL, MAXTEXT, KUPS)
-    _install(session, *pins, *EJKERNEL_IMPORTS, *MAXTEXT_IMPORTS, WARP, *KUPS_IMPORTS)
+    _install(session, "--no-deps", EJKERNEL, MAXTEXT, KUPS, RECURRENTGEMMA, *LEVANTER)
+    _install(session, *pins, *EJKERNEL_IMPORTS, *MAXTEXT_IMPORTS, WARP, *KUPS_IMPORTS, *RECURRENTGEMMA_IMPORTS,
+             *LEVANTER_IMPORTS)
     session.run("python", ".ci/coverage/run.py", *session.posargs)

@@ -44,8 +44,10 @@ LIBRARIES = {  # name -> (case module, import name that says it is installed, ti
     "maxtext": ("cases_maxtext", "maxtext", "MaxText's kernels (`maxtext.kernels`)"),
     "warp": ("cases_warp", "warp", "NVIDIA Warp (`wp.jax_kernel`, `wp.jax_callable`)"),
     "kups": ("cases_kups", "kups", "kups (`kups.core.utils.segment`)"),
+    "recurrentgemma": ("cases_recurrentgemma", "recurrentgemma", "recurrentgemma (`recurrentgemma.jax.pallas`)"),
+    "levanter": ("cases_levanter", "levanter", "Levanter (`levanter.kernels.pallas.fused_cross_entropy_loss`)"),
 }
-DISTRIBUTIONS = {"warp": "warp-lang"}  # import name -> distribution, where they differ
+DISTRIBUTIONS = {"warp": "warp-lang", "levanter": "marin-levanter"}  # import name -> distribution, where they differ
 TIMEOUT_S = 300
 
 
