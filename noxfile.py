@@ -75,10 +75,16 @@ def _install(session: nox.Session, *args: str) -> None:
     session.install(*args, env={"UV_COMPILE_BYTECODE": "1"})
 
 
-# The benchmark's smoke test (a minute of CPU) runs once per regime: it checks the script, whose
-# JAX-facing parts are reprules' own (tested in every session).
-BENCH_SMOKE_JAX = ["0.5.3", "0.9.2", JAX_MATRIX[-1]]
+# Tests that run on a sample of the matrix (node id prefix -> JAX versions), each the slowest of
+# what it checks and its JAX-facing parts tested in every session by other tests: the benchmark's
+# smoke test (a minute of CPU: the script), once per regime; the pytest plugin (pytester's inner
+# sessions: its options, marker, fixtures and header), the oldest JAX and once per regime (the
+# Python sessions add 0.6.2 and 0.10.2).
 BENCH_SMOKE = "tests/test_examples.py::test_benchmark_smoke"
+SAMPLED = {
+    BENCH_SMOKE: ["0.5.3", "0.9.2", JAX_MATRIX[-1]],
+    "tests/test_plugin.py": ["0.4.28", "0.5.3", "0.9.2", JAX_MATRIX[-1]],
+}
 
 
 def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Sequence[str] = (),
@@ -113,8 +119,7 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
     # The program fuzzer (tests/test_fuzz_programs.py): the same seed; 200 programs on the
     # newest JAX, 50 elsewhere.
     programs = os.environ.get("REPRULES_PROGRAM_FUZZ_COUNT") or (counts[1] if counts else "200" if newest else "50")
-    if jax not in BENCH_SMOKE_JAX:
-        deselect = [*deselect, BENCH_SMOKE]
+    deselect = [*deselect, *(test for test, versions in SAMPLED.items() if jax not in versions and not files)]
     session.log(f"program fuzzer: REPRULES_FUZZ_SEED={seed}, {programs} programs on JAX {jax}")
     # One pytest-xdist worker per core (the tests are single-threaded Python, mostly tracing);
     # reprules' own modules and the tests may cache their bytecode too.
