@@ -79,7 +79,8 @@ def test_the_generator_covers_its_grammar():
     assert kinds == {"exact", "claims", "less"}
     sources = "\n".join(p.source for p in programs)
     for call in ("jax.lax.cond(", "jax.lax.switch(", "jax.lax.while_loop(", "jax.lax.scan(", "jax.vmap(",
-                 "jax.jit(", "jax.lax.psum(", "jax.lax.pmean(", "jax.lax.axis_index(", "cvjp_mulsin(",
+                 "jax.jit(", "jax.lax.psum(", "jax.lax.pmean(", "jax.lax.axis_index(",
+                 *(("cvjp_mulsin(",) if fuzz_programs.FEATURES["jnp_custom_vjp"] else ()),
                  "cjvp_sinmul(", "jax.lax.fori_loop(", "jax.lax.map(", "jax.checkpoint(",
                  "kernel_op(", "prim_op(", "callback_op(",
                  *(("jnp.linalg.solve(",) if fuzz_programs.FEATURES["solve"] else ())):
