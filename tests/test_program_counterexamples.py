@@ -239,19 +239,15 @@ def test_grown_grammar_program_is_exact(mesh, name):
     assert (got.counterexamples, got.errors) == ([], []), GROWN[name].source
 
 
-# -- open ----------------------------------------------------------------------------------------
-
-BUG_CONSTANT_SWITCH = (
-    "a lax.switch with a constant index inside a scan inside a cond on a 'data'-varying predicate, "
-    "under grad (JAX 0.6 - 0.11): JAX's partial evaluation of the cond returns the switch's index as an "
-    "int32 residual typed replicated; the bind-level retyping casts it up with the other outputs, and "
-    "the cond that reads it (its other half, then its transpose) holds the scan, which cannot be typed "
-    "again: a RuleError for a program checking off and JAX alone compute right (seed 2815 program 23 on "
-    "0.7.2, minimized). JAX 0.12 and <= 0.5 run it exactly")
+# -- a constant switch in a scan in a varying cond ------------------------------------------------
 
 
-@pytest.mark.xfail((0, 6) <= JAX_VERSION < (0, 12), reason=BUG_CONSTANT_SWITCH, strict=True)
 def test_a_constant_switch_in_a_scan_in_a_varying_cond_is_exact_under_grad(mesh):
+    """Seed 2815 program 23 on JAX 0.7.2, minimized (JAX 0.6 - 0.11 refused it): JAX's partial
+    evaluation of the cond returns the switch's index as an int32 residual typed replicated; the
+    bind-level retyping cast it up with the other outputs, and the cond that reads it (its other
+    half, then its transpose) holds the scan, which cannot be typed again. Integer values have
+    no cotangent and only JAX's own halves read such residuals: left as JAX types them."""
     import fuzz_programs
 
     program = _fuzz_program(

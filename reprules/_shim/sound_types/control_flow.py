@@ -54,6 +54,10 @@ def install(field: TypeField, patches: Patches) -> None:
         patches.setattr(while_p, "bind", _while_bind(field, while_p.bind))
 
 
+def _inexact(aval: Any) -> bool:
+    return bool(jax.numpy.issubdtype(getattr(aval, "dtype", None) or "float32", jax.numpy.inexact))
+
+
 def _values(avals: Sequence[Any]) -> bool:
     """Only arrays can be cast (a ref or a token is left to JAX)."""
     return all(type(a) is core.ShapedArray for a in avals)
@@ -66,10 +70,15 @@ def _cond_bind(field: TypeField, bind: Callable[..., Any]) -> Callable[..., Any]
         axes = field.varying(jax.typeof(index))
         outs = branches[0].out_avals
         avals = [jax.typeof(o) for o in operands]
-        short = bool(axes) and any(axes - field.varying(o) for o in outs)
+        # Only values with a cotangent (inexact ones): an integer output typed replicated is at
+        # worst JAX's own typing (the cond's public entry casts a user's outputs up; what reaches
+        # this hook with one is JAX's own, e.g. partial evaluation's residual index of a switch,
+        # which only its other half reads, on the same device), and an integer operand has no
+        # cotangent to psum. Casting those up made the half that reads them need retyping.
+        short = bool(axes) and any(axes - field.varying(o) for o in outs if _inexact(o))
         # A replicated operand's cotangent would be psummed inside the branch each device
         # took (JAX's cond transpose): a collective only some devices run. Cast up outside.
-        replicated = bool(axes) and any(axes - field.varying(a) for a in avals)
+        replicated = bool(axes) and any(axes - field.varying(a) for a in avals if _inexact(a))
         retyped = _retyped(field, avals, branches[0].in_avals)
         if not ((short or replicated or retyped) and _values([*avals, *outs])):
             return bind(index, *operands, branches=branches, **params)
