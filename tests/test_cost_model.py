@@ -106,9 +106,9 @@ def test_a_defensive_all_reduce_splits_into_its_needed_and_defensive_axes(mesh):
     finally:
         for k in case.kernels():
             reprules.unregister(k)
-    assert on.defensive_sent_bytes == 0
+    assert on.defensive_sent_total == 0
     assert on.sent_bytes() == sum(c.needed_sent_bytes for c in split)
-    assert report.needed_sent_bytes + report.defensive_sent_bytes == report.sent_bytes()
+    assert report.needed_sent_total + report.defensive_sent_total == report.sent_bytes()
     # assert_no_all_reduce and friends keep their meaning: a split all-reduce is still defensive.
     assert report.count(defensive=True) == len(report.defensive) >= len(split)
     with pytest.raises(testing.CollectivesAssertionError):

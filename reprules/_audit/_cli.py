@@ -287,8 +287,8 @@ def _summary(v: dict[str, Any]) -> dict[str, Any]:
         # Schema 4: bytes each device sends (ring algorithms), split into needed and defensive parts.
         "sent_bytes": report.sent_bytes(),
         "needed_count": len(report.with_needed_part),
-        "needed_sent_bytes": report.needed_sent_bytes,
-        "defensive_sent_bytes": report.defensive_sent_bytes,
+        "needed_sent_bytes": report.needed_sent_total,
+        "defensive_sent_bytes": report.defensive_sent_total,
         "dead_count": len(report.dead_collectives),
         "kernels_with_rules": sum(1 for k in report.kernels if k.has_rule),
         "kernels_total": len(report.kernels),

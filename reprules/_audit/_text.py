@@ -78,9 +78,9 @@ def _count(report: Report, part: str = "all") -> str:
         dead = report.dead_collectives
         return f"{len(dead)} ({sum(c.sent_bytes for c in dead)} B)"
     if part == "defensive":
-        return f"{len(report.defensive)} ({report.defensive_sent_bytes} B)"
+        return f"{len(report.defensive)} ({report.defensive_sent_total} B)"
     if part == "needed":
-        return f"{len(report.with_needed_part)} ({report.needed_sent_bytes} B)"
+        return f"{len(report.with_needed_part)} ({report.needed_sent_total} B)"
     return f"{len(report.select())} ({report.sent_bytes()} B)"
 
 

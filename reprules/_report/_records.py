@@ -346,12 +346,12 @@ class Report:
         return sum(c.sent_bytes for c in self.select(kind, **filters))
 
     @property
-    def needed_sent_bytes(self) -> int:
+    def needed_sent_total(self) -> int:
         """Of :meth:`sent_bytes`, the needed parts (a split collective's needed axes included)."""
         return sum(c.needed_sent_bytes for c in self.select())
 
     @property
-    def defensive_sent_bytes(self) -> int:
+    def defensive_sent_total(self) -> int:
         """Of :meth:`sent_bytes`, the defensive parts (axes the operand is replicated over)."""
         return sum(c.defensive_sent_bytes for c in self.select())
 
@@ -433,7 +433,7 @@ class Report:
             lines.append("  (no collectives)")
         live, d, dead = self.select(), self.defensive, self.dead_collectives
         lines.append(f"  total: {len(live)} collectives, {self.sent_bytes()} B sent per device per step; "
-                     f"{len(d)} defensive ({self.defensive_sent_bytes} B of it)"
+                     f"{len(d)} defensive ({self.defensive_sent_total} B of it)"
                      + (f"; {len(dead)} dead (not counted)" if dead else ""))
         lines.append(f"  ({COST_CONVENTION})")
         if dead or any(c.folded for c in self.collectives):
@@ -468,8 +468,8 @@ class Report:
                 "defensive_bytes": sum(c.step_bytes for c in self.defensive),
                 "sent_bytes": self.sent_bytes(),
                 "needed_count": len(self.with_needed_part),
-                "needed_sent_bytes": self.needed_sent_bytes,
-                "defensive_sent_bytes": self.defensive_sent_bytes,
+                "needed_sent_bytes": self.needed_sent_total,
+                "defensive_sent_bytes": self.defensive_sent_total,
                 "defensive_est_seconds": self.defensive_seconds(),
                 "by_kind": {k: {"count": self.count(k), "bytes": self.bytes(k)}
                             for k in _hlo.KINDS if self.count(k)},
