@@ -172,6 +172,13 @@ class Collective:
         return tuple(a for a in self.axes if a not in self.replicated_axes)
 
     @property
+    def needed_group_size(self) -> int | None:
+        """Devices per group of the same collective over :attr:`needed_axes` only (None: unknown)."""
+        if self.axes is None or len(self.sizes) != len(self.axes):
+            return None
+        return math.prod(n for a, n in zip(self.axes, self.sizes) if a not in self.replicated_axes)
+
+    @property
     def sent_bytes(self) -> int:
         """Bytes each device sends per step (the ring algorithm over :attr:`group_size` devices)."""
         return _link_model.sent(self.kind, self.bytes, self.group_size) * self.executions
@@ -181,9 +188,9 @@ class Collective:
         """Of :attr:`sent_bytes`, what the same collective over :attr:`needed_axes` only sends."""
         if self.dead:
             return 0
-        if not self.defensive or self.axes is None or len(self.sizes) != len(self.axes):
+        group = self.needed_group_size
+        if not self.defensive or group is None:
             return 0 if self.defensive else self.sent_bytes
-        group = math.prod(n for a, n in zip(self.axes, self.sizes) if a not in self.replicated_axes)
         return _link_model.sent(self.kind, self.bytes, group) * self.executions
 
     @property
@@ -336,8 +343,8 @@ class Report:
         link = self.link or _link_model.current(self.backend or "cpu")
         total = 0.0
         for c in self.select():
-            if c.defensive and c.axes is not None and len(c.sizes) == len(c.axes):
-                needed = math.prod(n for a, n in zip(c.axes, c.sizes) if a not in c.replicated_axes)
+            needed = c.needed_group_size
+            if c.defensive and needed is not None:
                 total += self.seconds(c) - _link_model.seconds(c.kind, c.bytes, needed, link) * c.executions
         return total
 

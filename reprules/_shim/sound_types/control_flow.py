@@ -55,7 +55,9 @@ def install(field: TypeField, patches: Patches) -> None:
 
 
 def _inexact(aval: Any) -> bool:
-    return bool(jax.numpy.issubdtype(getattr(aval, "dtype", None) or "float32", jax.numpy.inexact))
+    """A value with a cotangent; one with no dtype (a token, a ref) counts too (``_values`` decides it)."""
+    dtype = getattr(aval, "dtype", None)
+    return dtype is None or bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
 
 
 def _values(avals: Sequence[Any]) -> bool:
