@@ -515,6 +515,7 @@ from helpers import (  # noqa: E402  (tests/helpers.py: the StableHLO invariant,
 def _features() -> dict[str, bool]:
     import inspect
 
+    vma_0_6_to_0_7 = (0, 6) <= JAX_VERSION[:2] < (0, 8)  # where JAX's own limits below show
     return {
         "ffi": cpu_kernels.unavailable_reason() is None,  # JAX 0.4.31+ and a C++ compiler
         "vmap_method": "vmap_method" in inspect.signature(jax.pure_callback).parameters,  # 0.4.34+
@@ -522,18 +523,18 @@ def _features() -> dict[str, bool]:
         # over both axes) applies pvary to the already varying value, with JAX alone too (measured
         # on 0.6.2; 0.8.3 and 0.12.0.1 compute it). Where reprules types a value soundly as varying
         # that JAX alone types replicated, the program meets it: JAX's limit, not a false refusal.
-        "solve": not (0, 6) <= tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 8),
+        "solve": not vma_0_6_to_0_7,
         # JAX 0.6 - 0.7's XLA:CPU aborts ("Legacy XLA:CPU runtime does not support collective
         # execution", a PartitionId) on axis_index inside a loop's body in some nestings, with JAX
         # alone (measured on 0.6.2 and 0.7.2, checking off: a cond on axis_index in a static
         # fori_loop; axis_index in a lax.map inside one; seed 2812 program 291). 0.8+ runs them.
-        "axis_index_in_loops": not (0, 6) <= tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 8),
+        "axis_index_in_loops": not vma_0_6_to_0_7,
         # JAX 0.6 - 0.7 check no custom_vjp bwd's output type: a pure-jnp custom_vjp on a replicated and
         # a varying operand returns the replicated one's cotangent unsummed, a gradient silently wrong
         # with JAX alone (measured on 0.6.2 without reprules: off by 3.6, seed 2812 program 482, the
         # operand made by a scan; 0.8+ refuses the bwd). reprules leaves a custom_vjp that involves no
         # kernel as JAX has it (the no-harm page), so the fuzzer writes its meaning there instead.
-        "jnp_custom_vjp": not (0, 6) <= tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 8),
+        "jnp_custom_vjp": not vma_0_6_to_0_7,
     }
 
 
