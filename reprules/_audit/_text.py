@@ -54,13 +54,11 @@ def table(rows: Sequence[Sequence[str]], indent: str, width: int = WIDTH,
         widths[shrink_first] = max(min(widths[shrink_first], 12), widths[shrink_first] - (sum(widths) - room))
     while sum(widths) > room and max(widths) > 4:
         widths[widths.index(max(widths))] -= 1
-    lines = []
-    for r in rows:
-        cells = [(clip_left(v, w) if k == shrink_first else clip(v, w)).rjust(w) if k in right
-                 else (clip_left(v, w) if k == shrink_first else clip(v, w)).ljust(w)
-                 for k, (v, w) in enumerate(zip(r, widths))]
-        lines.append((indent + "  ".join(cells)).rstrip())
-    return lines
+    def cell(k: int, value: str, width: int) -> str:
+        text = clip_left(value, width) if k == shrink_first else clip(value, width)
+        return text.rjust(width) if k in right else text.ljust(width)
+
+    return [(indent + "  ".join(cell(k, v, w) for k, (v, w) in enumerate(zip(r, widths)))).rstrip() for r in rows]
 
 
 def short_source(source: str) -> str:
