@@ -7,6 +7,7 @@
     python -m nox -s typecheck                                        # mypy --strict, newest JAX
     python -m nox -s docs                                             # the documentation site, warnings as errors
     python -m nox -s coverage                                         # every op of the kernel libraries: the coverage table
+    python -m nox -s coverage_pinned                                  # the same for the libraries that pin JAX 0.11.2
     python -m pip install --quiet nox uv && python -m nox -s main    # the main job
 """
 
@@ -66,6 +67,15 @@ LEVANTER = [f"marin-levanter=={MARIN}", f"marin-haliax=={MARIN}", f"marin-riggin
             f"marin-finestore=={MARIN}"]
 LEVANTER_IMPORTS = ["aqtp", "braceexpand", "draccus", "equinox", "google-cloud-storage", "msgspec", "pyarrow",
                     "pydantic", "requests", "s3fs", "safetensors", "zstandard"]
+# Libraries that pin JAX 0.11.2 (session coverage_pinned). tpu-inference (vLLM's TPU backend) brings
+# vLLM, torch, libtpu and transformers: installed without dependencies; its package imports requests
+# (its TPU-info probe). vLLM's logger and tpu_inference.utils (torch at import) are stood in at the
+# test site (.ci/coverage/cases_tpu_inference.py): no CPU torch wheel exists for Python 3.12 here.
+TPU_INFERENCE = "tpu-inference==0.32.0"
+TPU_INFERENCE_IMPORTS = ["requests"]
+# deltanet-tpu asks only for jax >= 0.11.2, < 0.12: installed as users would.
+DELTANET = "deltanet-tpu==0.3.0"
+PINNED = ["tpu_inference", "deltanet"]  # .ci/coverage/run.py's names
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -240,3 +250,17 @@ def coverage(session: nox.Session) -> None:
     _install(session, *pins, *EJKERNEL_IMPORTS, *MAXTEXT_IMPORTS, WARP, *KUPS_IMPORTS, *RECURRENTGEMMA_IMPORTS,
              *LEVANTER_IMPORTS)
     session.run("python", ".ci/coverage/run.py", *session.posargs)
+
+
+@nox.session(python="3.12")
+def coverage_pinned(session: nox.Session) -> None:
+    """``coverage`` for the kernel libraries that pin JAX 0.11.2 (tpu-inference, deltanet-tpu), on JAX 0.11.2.
+
+    The same script and setting, only these libraries; arguments go to the script after
+    them: ``-- --json coverage_pinned.json``. Not in the default sessions.
+    """
+    jax = JAX_MATRIX[-2]
+    pins = (f"jax=={jax}", f"jaxlib=={jax}")
+    _install(session, *pins, "-e", ".[test]", DELTANET, *TPU_INFERENCE_IMPORTS)
+    _install(session, "--no-deps", TPU_INFERENCE)
+    session.run("python", ".ci/coverage/run.py", *PINNED, *session.posargs)

@@ -4,6 +4,7 @@
     python .ci/coverage/run.py jax ejkernel --json coverage.json
     python .ci/coverage/run.py jax --op layer_norm     # one op (repeatable)
     python -m nox -s coverage                          # the same, in its own environment
+    python -m nox -s coverage_pinned                   # tpu_inference and deltanet (they pin JAX 0.11.2)
 
 Setting: 8 fake CPU devices, a (4, 2) ``("data", "model")`` mesh, batch/tokens on
 ``data``, heads or experts on ``model``, weights replicated; TPU kernels in TPU
@@ -46,8 +47,12 @@ LIBRARIES = {  # name -> (case module, import name that says it is installed, ti
     "kups": ("cases_kups", "kups", "kups (`kups.core.utils.segment`)"),
     "recurrentgemma": ("cases_recurrentgemma", "recurrentgemma", "recurrentgemma (`recurrentgemma.jax.pallas`)"),
     "levanter": ("cases_levanter", "levanter", "Levanter (`levanter.kernels.pallas.fused_cross_entropy_loss`)"),
+    # These two pin JAX 0.11.2: nox session coverage_pinned.
+    "tpu_inference": ("cases_tpu_inference", "tpu_inference", "tpu-inference (`tpu_inference.kernels`)"),
+    "deltanet": ("cases_deltanet", "deltanet_tpu", "deltanet-tpu (`deltanet_tpu`)"),
 }
-DISTRIBUTIONS = {"warp": "warp-lang", "levanter": "marin-levanter"}  # import name -> distribution, where they differ
+DISTRIBUTIONS = {"warp": "warp-lang", "levanter": "marin-levanter", "tpu_inference": "tpu-inference",
+                 "deltanet_tpu": "deltanet-tpu"}  # import name -> distribution, where they differ
 TIMEOUT_S = 300
 
 
