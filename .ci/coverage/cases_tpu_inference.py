@@ -35,8 +35,9 @@ def stand_ins() -> None:
     import sys
     import types
 
-    if importlib.util.find_spec("vllm") is not None or "tpu_inference.utils" in sys.modules:
-        return
+    if ("tpu_inference.utils" in sys.modules or importlib.util.find_spec("tpu_inference") is None
+            or importlib.util.find_spec("vllm") is not None):
+        return  # stood in (or imported) already, not installed (the tests skip), or installed with vLLM
 
     class Logger(logging.Logger):  # vLLM's: logging's, plus its *_once methods
         def warning_once(self, *a, **k):
@@ -45,7 +46,7 @@ def stand_ins() -> None:
         info_once = debug_once = warning_once
 
     vllm, log = types.ModuleType("vllm"), types.ModuleType("vllm.logger")
-    vllm.__path__ = []  # a package with no submodules: the library's `import vllm.sampling_params` fails as without vLLM
+    vllm.__path__ = []  # no submodules: the library's `import vllm.sampling_params` fails as without vLLM
     log._VllmLogger, log.init_logger = Logger, Logger
     vllm.logger = log
     sys.modules.update({"vllm": vllm, "vllm.logger": log})
