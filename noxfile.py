@@ -257,7 +257,9 @@ def coverage_pinned(session: nox.Session) -> None:
     """``coverage`` for the kernel libraries that pin JAX 0.11.2 (tpu-inference, deltanet-tpu), on JAX 0.11.2.
 
     The same script and setting, only these libraries; arguments go to the script after
-    them: ``-- --json coverage_pinned.json``. Not in the default sessions.
+    them: ``-- --json coverage_pinned.json``. Their tests run in its environment:
+    ``.nox/coverage_pinned/bin/python -m pytest tests/test_tpu_inference.py tests/test_deltanet.py``.
+    Not in the default sessions.
     """
     jax = JAX_MATRIX[-2]
     pins = (f"jax=={jax}", f"jaxlib=={jax}")
