@@ -66,6 +66,13 @@ LEVANTER = [f"marin-levanter=={MARIN}", f"marin-haliax=={MARIN}", f"marin-riggin
             f"marin-finestore=={MARIN}"]
 LEVANTER_IMPORTS = ["aqtp", "braceexpand", "draccus", "equinox", "google-cloud-storage", "msgspec", "pyarrow",
                     "pydantic", "requests", "s3fs", "safetensors", "zstandard"]
+# jax-flash-attn2 pins triton < 3.3 (whose autotuner asks torch for a GPU driver at import) and
+# eformer, which pins ray[serve] (a web stack): both without dependencies, the triton that
+# jax-triton brings (the triton extra), and what its modules import (eformer's reach ray at import).
+FLASH_ATTN2 = ["jax-flash-attn2==0.0.3", "eformer==0.0.15"]
+FLASH_ATTN2_IMPORTS = ["chex", "einops<0.9", "mergedeep<1.4", "ray==2.42.1", "tblib<3.1"]
+# augax asks only for jax and numpy: installed with them.
+AUGAX = "augax==0.3.0"
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -235,8 +242,8 @@ def coverage(session: nox.Session) -> None:
     """
     jax = JAX_MATRIX[-1]
     pins = (f"jax=={jax}", f"jaxlib=={jax}")
-    _install(session, *pins, "-e", ".[test,tokamax]")
-    _install(session, "--no-deps", EJKERNEL, MAXTEXT, KUPS, RECURRENTGEMMA, *LEVANTER)
+    _install(session, *pins, "-e", ".[test,tokamax,triton]")
+    _install(session, "--no-deps", EJKERNEL, MAXTEXT, KUPS, RECURRENTGEMMA, *LEVANTER, *FLASH_ATTN2)
     _install(session, *pins, *EJKERNEL_IMPORTS, *MAXTEXT_IMPORTS, WARP, *KUPS_IMPORTS, *RECURRENTGEMMA_IMPORTS,
-             *LEVANTER_IMPORTS)
+             *LEVANTER_IMPORTS, *FLASH_ATTN2_IMPORTS, AUGAX)
     session.run("python", ".ci/coverage/run.py", *session.posargs)

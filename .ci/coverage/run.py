@@ -46,8 +46,10 @@ LIBRARIES = {  # name -> (case module, import name that says it is installed, ti
     "kups": ("cases_kups", "kups", "kups (`kups.core.utils.segment`)"),
     "recurrentgemma": ("cases_recurrentgemma", "recurrentgemma", "recurrentgemma (`recurrentgemma.jax.pallas`)"),
     "levanter": ("cases_levanter", "levanter", "Levanter (`levanter.kernels.pallas.fused_cross_entropy_loss`)"),
+    "flash_attn2": ("cases_flash_attn2", "jax_flash_attn2", "jax-flash-attn2 (`create_flash_attention`, Pallas platform)"),
+    "augax": ("cases_augax", "augax", "augax (`pg_sample`, `ks_sample`: XLA FFI)"),
 }
-DISTRIBUTIONS = {"warp": "warp-lang", "levanter": "marin-levanter"}  # import name -> distribution, where they differ
+DISTRIBUTIONS = {"warp": "warp-lang", "levanter": "marin-levanter", "jax_flash_attn2": "jax-flash-attn2"}  # import name -> distribution, where they differ
 TIMEOUT_S = 300
 
 
