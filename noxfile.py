@@ -71,7 +71,7 @@ LEVANTER_IMPORTS = ["aqtp", "braceexpand", "draccus", "equinox", "google-cloud-s
 # jax-triton brings (the triton extra), and what its modules import (eformer's reach ray at import).
 FLASH_ATTN2 = ["jax-flash-attn2==0.0.3", "eformer==0.0.15"]
 FLASH_ATTN2_IMPORTS = ["chex", "einops<0.9", "mergedeep<1.4", "ray==2.42.1", "tblib<3.1"]
-# augax asks only for jax and numpy: installed with them.
+# augax asks only for jax and numpy: installed with them (in the tests sessions too: one small wheel).
 AUGAX = "augax==0.3.0"
 
 
@@ -112,9 +112,9 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
         # without dependencies, then what its kernel modules import, with the JAX above kept.
         _install(session, "--no-deps", MAXTEXT)
         _install(session, *MAXTEXT_IMPORTS, f"jax=={jax}", f"jaxlib=={jax}")
-        # Warp (tests/test_warp.py) and kups (tests/test_kups.py): kups without its pins, with the
-        # one package its primitives' modules import (slub, which asks only for jax).
-        _install(session, WARP, *KUPS_IMPORTS, f"jax=={jax}", f"jaxlib=={jax}")
+        # Warp (tests/test_warp.py), augax (tests/test_augax.py) and kups (tests/test_kups.py): kups
+        # without its pins, with the one package its primitives' modules import (slub, which asks only for jax).
+        _install(session, WARP, AUGAX, *KUPS_IMPORTS, f"jax=={jax}", f"jaxlib=={jax}")
         _install(session, "--no-deps", KUPS)
     # The soundness fuzzer (tests/test_fuzz_inference.py): a seed that changes between runs,
     # printed here so that a failure can be replayed; 300 kernels on the newest JAX, 40 elsewhere (its
