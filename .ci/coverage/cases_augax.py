@@ -85,7 +85,7 @@ def _sampler(sampler, batched=False, replicated_out=False):
         out = _P("data", None) if batched else _P("data")
         if replicated_out:
             out = _P()
-            note += "; the draws (varying over data) returned with out_specs=P()"
+            note += "; the draws (varying over data) returned with out_specs=P(): checking off returns one block (inf)"
         return Case(fn, args, specs, out, reference=reference, tol=1e-12, note=note)
 
     return case

@@ -79,9 +79,11 @@ def _pallas(causal, kv_heads=H):
         note = ("causal" if causal else "non-causal") + "; batch over data, heads over model"
         if kv_heads != H:
             note += f"; {kv_heads} KV head, replicated over model"
+        def reference(q, k, v):
+            return fa.basic_attention_refrence(q, k, v, causal=causal)
+
         return Case(lambda q, k, v: attn(q, k, v, causal=causal), _qkv(kv_heads), (heads, kv, kv), heads,
-                    grad_argnums=(0, 1, 2), reference=lambda q, k, v: fa.basic_attention_refrence(q, k, v, causal=causal),
-                    context=_interpret, tol=1e-5, note=note)
+                    grad_argnums=(0, 1, 2), reference=reference, context=_interpret, tol=1e-5, note=note)
 
     return case
 
