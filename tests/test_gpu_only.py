@@ -91,9 +91,10 @@ def _check(make, reference, args, t, tol):
     out_off, g_off, grad_off = run(make(False), *args)
     out_ref, g_ref, _ = run(reference, *whole)
     scale = lambda tree: max(float(jnp.abs(x.astype(jnp.float32)).max()) for x in jax.tree.leaves(tree))  # noqa: E731
-    # the same kernels (a replicated head's psum may sum in another order): equal but for rounding
-    assert max_err(out_on, out_off) <= 1e-3 * scale(out_off)
-    assert max_err(g_on, g_off) <= 1e-3 * scale(g_off)
+    # the same kernels (a replicated head's psum may sum in another order): equal but for a
+    # half-precision rounding; a missing psum or one device's block would be off by O(1)
+    assert max_err(out_on, out_off) <= 1e-2 * scale(out_off)
+    assert max_err(g_on, g_off) <= 1e-2 * scale(g_off)
     assert max_err(out_on, out_ref) <= tol * scale(out_ref)
     assert max_err(g_on, g_ref) <= tol * scale(g_ref)
     report = testing.collectives(grad_on, *args)
@@ -158,7 +159,7 @@ def test_flash_attn2_triton_on_gpu(flash_attn2, kv_heads):
     q, k, v, t = _qkv(B_PER_GPU * len(_gpus()), kv_heads, jnp.float16)  # its kernels take fp16/bf16 only
     kv = HEADS if kv_heads == H else P("data", None, None, None)
     args = [put(a, mesh, s) for a, s in zip((q, k, v), (HEADS, kv, kv))]
-    _check(_fa2_triton(flash_attn2, mesh, kv_heads), _reference, args, put(t, mesh, HEADS), tol=2e-2)
+    _check(_fa2_triton(flash_attn2, mesh, kv_heads), _reference, args, put(t, mesh, HEADS), tol=2e-2)  # float16
 
 
 # --- kvax ----------------------------------------------------------------------------------------------
@@ -219,4 +220,4 @@ def test_kvax_flash_attention_on_gpu(kvax, kv_heads):
     kv = P(*kv_specs)
     with attention_specs(query_specs=("data", None, "model", None), kv_specs=kv_specs):
         args = [put(a, mesh, s) for a, s in zip((q, k, v), (HEADS, kv, kv))]
-        _check(make, _reference, args, put(t, mesh, HEADS), tol=2e-2)
+        _check(make, _reference, args, put(t, mesh, HEADS), tol=5e-2)  # bfloat16
