@@ -76,6 +76,13 @@ TPU_INFERENCE_IMPORTS = ["requests"]
 # deltanet-tpu asks only for jax >= 0.11.2, < 0.12: installed as users would.
 DELTANET = "deltanet-tpu==0.3.0"
 PINNED = ["tpu_inference", "deltanet"]  # .ci/coverage/run.py's names
+# jax-flash-attn2 pins triton < 3.3 (whose autotuner asks torch for a GPU driver at import) and
+# eformer, which pins ray[serve] (a web stack): both without dependencies, the triton that
+# jax-triton brings (the triton extra), and what its modules import (eformer's reach ray at import).
+FLASH_ATTN2 = ["jax-flash-attn2==0.0.3", "eformer==0.0.15"]
+FLASH_ATTN2_IMPORTS = ["chex", "einops<0.9", "mergedeep<1.4", "ray==2.42.1", "tblib<3.1"]
+# augax asks only for jax and numpy: installed with them (in the tests sessions too: one small wheel).
+AUGAX = "augax==0.3.0"
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -115,9 +122,9 @@ def _run_tests(session: nox.Session, jax: str, tokamax: bool = False, files: Seq
         # without dependencies, then what its kernel modules import, with the JAX above kept.
         _install(session, "--no-deps", MAXTEXT)
         _install(session, *MAXTEXT_IMPORTS, f"jax=={jax}", f"jaxlib=={jax}")
-        # Warp (tests/test_warp.py) and kups (tests/test_kups.py): kups without its pins, with the
-        # one package its primitives' modules import (slub, which asks only for jax).
-        _install(session, WARP, *KUPS_IMPORTS, f"jax=={jax}", f"jaxlib=={jax}")
+        # Warp (tests/test_warp.py), augax (tests/test_augax.py) and kups (tests/test_kups.py): kups
+        # without its pins, with the one package its primitives' modules import (slub, which asks only for jax).
+        _install(session, WARP, AUGAX, *KUPS_IMPORTS, f"jax=={jax}", f"jaxlib=={jax}")
         _install(session, "--no-deps", KUPS)
     # The soundness fuzzer (tests/test_fuzz_inference.py): a seed that changes between runs,
     # printed here so that a failure can be replayed; 300 kernels on the newest JAX, 40 elsewhere (its
@@ -245,11 +252,11 @@ def coverage(session: nox.Session) -> None:
     """
     jax = JAX_MATRIX[-1]
     pins = (f"jax=={jax}", f"jaxlib=={jax}")
-    _install(session, *pins, "-e", ".[test,tokamax]")
-    _install(session, "--no-deps", EJKERNEL, MAXTEXT, KUPS, RECURRENTGEMMA, *LEVANTER)
+    _install(session, *pins, "-e", ".[test,tokamax,triton]")
+    _install(session, "--no-deps", EJKERNEL, MAXTEXT, KUPS, RECURRENTGEMMA, *LEVANTER, *FLASH_ATTN2)
     _install(session, *pins, *EJKERNEL_IMPORTS, *MAXTEXT_IMPORTS, WARP, *KUPS_IMPORTS, *RECURRENTGEMMA_IMPORTS,
-             *LEVANTER_IMPORTS)
-    session.run("python", ".ci/coverage/run.py", *session.posargs)
+             *LEVANTER_IMPORTS, *FLASH_ATTN2_IMPORTS, AUGAX)
+    session.run("python", ".ci/coverage/run.py", *(f"--except={name}" for name in PINNED), *session.posargs)
 
 
 @nox.session(python="3.12")

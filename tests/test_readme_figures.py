@@ -52,3 +52,4 @@ def test_the_kernel_library_table_adds_up():
         name, tried, ran, exact, refused, fails, wrong = [c.strip() for c in row.strip("|").split("|")]
         tried, ran, exact, refused, fails, wrong = map(int, (tried, ran, exact, refused, fails, wrong))
         assert ran <= tried and exact + refused + fails + wrong == ran, row
+        assert ran > 0 or "(GPU only)" in name, f"a row with no op run on CPU must say it is GPU only: {row}"

@@ -2,14 +2,16 @@
 
 On CPU, Triton kernels can be traced but not lowered, so these tests check the
 types in the jaxpr under shard_map and the rule dispatch; the end-to-end run
-needs a GPU and is skipped elsewhere.
+needs a GPU and is skipped elsewhere (how to run it: its skip reason).
 """
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import reprules
+from reprules import testing
 from helpers import make_mesh, max_err, put, randn, shard_map
 
 jt = pytest.importorskip("jax_triton", reason="jax-triton is not installed (pip install 'reprules[triton]')")
@@ -73,12 +75,22 @@ def _has_gpu():
         return False
 
 
-@pytest.mark.skipif(not _has_gpu(), reason="Triton kernels run only on a GPU")
+@pytest.mark.skipif(not _has_gpu(), reason=(
+    "Triton kernels run only on a CUDA GPU (jax.devices('gpu') is empty): on a GPU machine run "
+    "JAX_PLATFORMS=cpu,cuda python -m pytest tests/test_triton.py (the CPU stays JAX's default platform, with "
+    "conftest's 8 fake devices); tests/test_gpu_only.py has kvax's and jax-flash-attn2's Triton kernels"))
 def test_triton_call_end_to_end_on_gpu():
+    """On a ("data", "model") mesh of the GPUs: checking on equals checking off and the
+    sum on the whole arrays, with no all-reduce (the kernel's rule: rules.same())."""
     reprules.replication_rule()(add_kernel)
-    n = len(jax.devices("gpu"))
-    mesh = jax.sharding.Mesh(jax.devices("gpu"), ("data",))
-    x = put(randn(0, (2 * n, 128)), mesh, P("data", None))
-    y = put(randn(1, (2, 128)), mesh, P())
-    out = jax.jit(shard_map(add, mesh, (P("data", None), P()), P("data", None)))(x, y)
-    assert max_err(out, x + jax.numpy.tile(y, (n, 1))) < 1e-6
+    gpus = jax.devices("gpu")
+    n = len(gpus)
+    mesh = jax.sharding.Mesh(np.array(gpus).reshape(n, 1), ("data", "model"))
+    xs, ys = randn(0, (2 * n, 128)), randn(1, (2, 128))
+    x, y = put(xs, mesh, P("data", None)), put(ys, mesh, P())
+    specs = ((P("data", None), P()), P("data", None))
+    on, off = shard_map(add, mesh, *specs), shard_map(add, mesh, *specs, check=False)
+    out = jax.jit(on)(x, y)
+    assert max_err(out, jax.jit(off)(x, y)) == 0.0
+    assert max_err(out, xs + jax.numpy.tile(ys, (n, 1))) < 1e-6
+    testing.assert_no_all_reduce(on, x, y)

@@ -50,9 +50,11 @@ LIBRARIES = {  # name -> (case module, import name that says it is installed, ti
     # These two pin JAX 0.11.2: nox session coverage_pinned.
     "tpu_inference": ("cases_tpu_inference", "tpu_inference", "tpu-inference (`tpu_inference.kernels`)"),
     "deltanet": ("cases_deltanet", "deltanet_tpu", "deltanet-tpu (`deltanet_tpu`)"),
+    "flash_attn2": ("cases_flash_attn2", "jax_flash_attn2", "jax-flash-attn2 (`create_flash_attention`, Pallas platform)"),
+    "augax": ("cases_augax", "augax", "augax (`pg_sample`, `ks_sample`: XLA FFI)"),
 }
 DISTRIBUTIONS = {"warp": "warp-lang", "levanter": "marin-levanter", "tpu_inference": "tpu-inference",
-                 "deltanet_tpu": "deltanet-tpu"}  # import name -> distribution, where they differ
+                 "deltanet_tpu": "deltanet-tpu", "jax_flash_attn2": "jax-flash-attn2"}  # import name -> distribution, where they differ
 TIMEOUT_S = 300
 
 
@@ -206,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("libraries", nargs="*", metavar="LIBRARY",
                         help=f"libraries to cover: {', '.join(LIBRARIES)} (default: all)")
+    parser.add_argument("--except", dest="excluded", action="append", default=[], metavar="LIBRARY",
+                        help="not this library (repeatable; the coverage session leaves coverage_pinned's to it)")
     parser.add_argument("--op", action="append", help="only this op (repeatable)")
     parser.add_argument("--json", metavar="FILE", help="write every row, with all numbers, to FILE")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per op (default %(default)s)")
@@ -219,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(pathlib.Path(args.render).read_text())
         print(render(data["setting"], data["rows"], data.get("versions", {}), data.get("seconds")))
         return 0
-    unknown = [lib for lib in args.libraries if lib not in LIBRARIES]
+    unknown = [lib for lib in [*args.libraries, *args.excluded] if lib not in LIBRARIES]
     if unknown:
         parser.error(f"unknown libraries {unknown}: choose from {list(LIBRARIES)}")
     sys.path.insert(0, str(HERE))
-    libraries = args.libraries or list(LIBRARIES)
+    libraries = [lib for lib in args.libraries or LIBRARIES if lib not in args.excluded]
     all_rows = []
     start = time.perf_counter()
     header = (f"JAX {_version('jax')}, jaxlib {_version('jaxlib')}, reprules {_version('reprules')}, "
