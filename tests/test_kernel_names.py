@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_all_reduce, make_mesh, max_err, put, randn, shard_map
+from helpers import JAX_VERSION, count_all_reduce, make_mesh, max_err, put, randn, shard_map
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
@@ -91,8 +91,10 @@ def test_a_name_no_kernel_matched_is_reported():
     assert [r.where for r in _registry.unmatched_names()] == ["kernel_named:nowhere:typo.<locals>.kernel"]
 
 
-def test_a_missing_rule_fix_names_a_python_function(setup, no_inference):
-    """A ``pallas_call``'s ``name=`` need not be a Python name; the fix shows valid code."""
+@pytest.mark.parametrize("name", ["fused-moe-e_4", "copy_bn_128_rhs_transpose_False"])
+def test_a_missing_rule_fix_names_a_python_function(setup, no_inference, name):
+    """A ``pallas_call``'s ``name=`` need not be a Python name, nor the kernel's: the fix
+    shows valid code, decorating the kernel's ``def`` where JAX records its site (0.4.31+)."""
     mesh, x, _ = setup
     reprules.replication_rule()(module_kernel)  # reprules active; copy has no rule
 
@@ -101,7 +103,7 @@ def test_a_missing_rule_fix_names_a_python_function(setup, no_inference):
 
     def call(x):
         out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return pl.pallas_call(copy, out_shape=out, interpret=True, name="fused-moe-e_4")(x)
+        return pl.pallas_call(copy, out_shape=out, interpret=True, name=name)(x)
 
     with pytest.raises(reprules.MissingRuleError) as info:
         jax.jit(shard_map(call, mesh, P("data", None), P("data", None)))(x)
@@ -110,3 +112,6 @@ def test_a_missing_rule_fix_names_a_python_function(setup, no_inference):
     called = re.findall(r"replication_rule\(rules\.same\(\)\)\((\S+)\)", message)
     assert defined and called and all(n.isidentifier() for n in defined + called), message
     assert f"JAX {jax.__version__}" in message and "'data', 'model'" in message
+    if JAX_VERSION >= (0, 4, 31):  # 0.4.28 records no site for the kernel
+        assert set(defined + called) == {"copy"}, message
+        assert f"(`copy`: the function JAX runs as {name!r})" in message, message

@@ -107,17 +107,20 @@ def _advice_block(findings: Sequence[Finding] | None, mesh_axes: Sequence[str], 
 def missing_rule_message(
     kernel_name: str, mesh_axes: Iterable[str], jax_version: str, kind: str = "Pallas kernel",
     jax_error: str = "", inference: str = "", site: str = "", findings: Sequence[Finding] | None = None,
+    function: str | None = None,
 ) -> str:
     """The message of :class:`~reprules.MissingRuleError`; ``jax_error`` is the text of the
     error JAX alone raises in the same situation, quoted at the end;
     ``inference`` why inference could not derive a rule (empty: inference was off); ``site``
     where the kernel is (``defined at file:line``); ``findings`` what the analysis of its
-    body found that is not local (see :func:`rule_advice`; ``None``: no body analysed)."""
+    body found that is not local (see :func:`rule_advice`; ``None``: no body analysed);
+    ``function`` the name of the kernel's ``def`` where known (a ``name=`` may differ)."""
     name = kernel_name.split(" ")[0]
     axes = tuple(mesh_axes)
     if kind == "Pallas kernel":
-        # A pallas_call's name= need not be a Python name: then show a placeholder.
-        fn = name if name.isidentifier() else "kernel"
+        # A pallas_call's name= need not be the kernel's def, nor a Python name: the def's
+        # name where its site is known, else a placeholder.
+        fn = function or (name if name.isidentifier() else "kernel")
         fix = _advice_block(findings, axes, fn, decorate=fn)
         if fn != name:
             fix += f"\n(`{fn}`: the function JAX runs as {name!r})"

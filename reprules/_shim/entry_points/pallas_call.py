@@ -281,6 +281,7 @@ class TypedPallasCall:
                         call.name, manual_axes(), _jax.JAX_VERSION,
                         jax_error=str(refusal), inference=_resolve.inference_note(call, manual_axes()),
                         site=call.site_text, findings=_resolve.body_findings(call),
+                        function=call.function_name,
                     )
                 ) from refusal
         decided = None

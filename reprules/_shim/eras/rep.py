@@ -115,6 +115,7 @@ def attach(op: Opaque, patches: Patches) -> None:
                 inference=_resolve.inference_note(call, manual_axes(mesh)) if call is not None else "",
                 site=call.site_text if call is not None else "",
                 findings=_resolve.body_findings(call) if call is not None else None,
+                function=call.function_name if call is not None else None,
             )
         )
         error.__cause__ = jax_error

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import linecache
 import re
 import threading
 import weakref
@@ -132,6 +133,19 @@ class PallasCall:
     def site(self) -> tuple[str, int, bool] | None:
         """(file, line, exact) of the kernel function (see :func:`kernel_site`), or None."""
         return kernel_site(self.params, self.name)
+
+    @functools.cached_property
+    def function_name(self) -> str | None:
+        """The name of the kernel's ``def`` at its exact site, or None: what a user decorates,
+        where ``name=`` (what JAX stores) can be any string, even another identifier."""
+        site = self.site
+        if site is None or not site[2]:
+            return None
+        for line in range(site[1], site[1] + 16):  # past the decorators
+            match = re.match(r"\s*(@)?(?:async\s+)?(?:def\s+(\w+))?", linecache.getline(site[0], line))
+            if match is None or match.group(2) or not match.group(1):
+                return match.group(2) if match else None
+        return None
 
     @property
     def site_text(self) -> str:
