@@ -94,13 +94,17 @@ def _install(session: nox.Session, *args: str) -> None:
 
 # Tests that run on a sample of the matrix (node id prefix -> JAX versions), each the slowest of
 # what it checks and its JAX-facing parts tested in every session by other tests: the benchmark's
-# smoke test (a minute of CPU: the script), once per regime; the pytest plugin (pytester's inner
-# sessions: its options, marker, fixtures and header), the oldest JAX and once per regime (the
-# Python sessions add 0.6.2 and 0.10.2).
+# smoke test (a minute of CPU: the script), once per regime; the front end, on the oldest JAX and
+# each regime's newest (the Python sessions add 0.6.2 and 0.10.2): the pytest plugin (pytester's
+# inner sessions), the CLI and its HTML page (the audit's figures: test_communication and
+# test_cost_model everywhere), the coverage script, and each example run as a script (each
+# example's step is audited in every session: test_examples' test_reprules_audit_of_the_example).
 BENCH_SMOKE = "tests/test_examples.py::test_benchmark_smoke"
+FRONT_END = ["tests/test_plugin.py", "tests/test_cli.py", "tests/test_audit_html.py", "tests/test_coverage_script.py",
+             "tests/test_examples.py::test_example_runs"]
 SAMPLED = {
     BENCH_SMOKE: ["0.5.3", "0.9.2", JAX_MATRIX[-1]],
-    "tests/test_plugin.py": ["0.4.28", "0.5.3", "0.9.2", JAX_MATRIX[-1]],
+    **dict.fromkeys(FRONT_END, ["0.4.28", "0.5.3", "0.9.2", JAX_MATRIX[-1]]),
 }
 
 
