@@ -117,10 +117,12 @@ def test_following_the_warnings_advice_gives_the_same_exact_gradient_silently(da
     mesh, x, w = data
     with pytest.warns(reprules.ReplicationWarning) as caught:
         _grad(advised_p.bind, mesh, True)(x, w)
-    fix = re.search(r"`(from reprules import rules)` and `(reprules\.replication_rule\(rules\.same\(\)\)\()<the "
-                    r"'sound_types_advised' primitive>\)`", str(caught[0].message))
+    # The primitive named where the user reaches it (this module's attribute), each line pasted as printed.
+    fix = re.search(rf"`(import {__name__})`, `(import reprules)`, `(from reprules import rules)` and "
+                    rf"`(reprules\.replication_rule\(rules\.same\(\)\)\({__name__}\.advised_p\))`",
+                    str(caught[0].message))
     assert fix, str(caught[0].message)
-    exec(f"{fix[1]}\n{fix[2]}advised_p)", {"reprules": reprules, "advised_p": advised_p})
+    exec("\n".join(fix.groups()), {})
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", reprules.ReplicationWarning)

@@ -90,13 +90,15 @@ def annotation_union_message(kernel: str, index: int, missing: Iterable[str], ty
 
 
 def sound_type_message(kind: str, name: str, site: str, short: Iterable[str], typed: Iterable[str],
-                       mesh_axes: Iterable[str], jax_version: str, target: str) -> str:
+                       mesh_axes: Iterable[str], jax_version: str, target: str, module: str = "") -> str:
     """:class:`~reprules.ReplicationWarning`: a rule-less opaque call that JAX typed replicated
     over axes its inputs vary over, typed by the union of the inputs' axes instead (``target``:
-    what a rule is registered on; callbacks have their own message, with the decorator)."""
+    what a rule is registered on, ``module`` what to import for it; callbacks have their own
+    message, with the decorator)."""
     at = f" (called at {site})" if site else ""
     typed_text, short_text = fmt_axes(typed), fmt_axes(short)
-    fix = (f"declare how it varies, to silence this: `import reprules`, `from reprules import rules` and "
+    fix = (f"declare how it varies, to silence this: {f'`import {module}`, ' if module else ''}"
+           "`import reprules`, `from reprules import rules` and "
            f"`reprules.replication_rule(rules.same())({target})` if it computes each output from its "
            f"inputs' values (as typed now); `rules.invariant({sorted(short)[0]!r})` instead if it all-reduces "
            "over that axis itself (check the choice with `with reprules.verify():`)")

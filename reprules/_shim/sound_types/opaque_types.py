@@ -41,6 +41,7 @@ no Python: it keeps its program until the next trace anywhere drops that cache.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -220,8 +221,9 @@ def warn(op: Opaque, params: dict[str, Any], union: frozenset[str], out_avals: S
     elif op.prim in callbacks.callbacks():
         message = _pure_callback_message(name, params, site, short, union)
     else:
+        target, module = _rule_target(op, name)
         message = out_types.sound_type_message(
-            op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=_rule_target(op, name))
+            op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=target, module=module)
     if user is None:
         warnings.warn(message, _errors.ReplicationWarning, stacklevel=3)
     else:  # attributed to the user's line, as warnings filters and pytest report it
@@ -244,13 +246,34 @@ def _io_callback_message(name: str, params: dict[str, Any], site: str, short: Se
                                       callbacks.rule_fix(params, True, manual_axes()), io=True)
 
 
-def _rule_target(op: Opaque, name: str) -> str:
-    """What a rule for this call is registered on, as the user writes it."""
+def _rule_target(op: Opaque, name: str) -> tuple[str, str]:
+    """What a rule for this call is registered on, as the user writes it, and the module to
+    import for it ("" for none)."""
     if op.kind == "FFI target":
-        return f"reprules.ffi_target({name!r})"
+        return f"reprules.ffi_target({name!r})", ""
     if op.kind == "Triton kernel":
-        return name  # registered on the @triton.jit function itself
-    return f"<the {name!r} primitive>"
+        return name, ""  # registered on the @triton.jit function itself
+    found = _module_attribute(op.prim)
+    if found is None:
+        return f"<the {name!r} primitive>", ""
+    module, attribute = found
+    return (attribute, "") if module == "__main__" else (f"{module}.{attribute}", module)
+
+
+def _module_attribute(obj: Any) -> tuple[str, str] | None:
+    """(module, attribute) holding ``obj`` at module level, or None: where the user reaches a
+    library's primitive to register its rule. The user's script first, then public modules,
+    then the shortest name. A scan of every module's namespace: run once per warning."""
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attribute, value in list(namespace.items()):
+            if value is obj and not attribute.startswith("__"):
+                private = any(part.startswith("_") for part in module_name.split(".")) or attribute.startswith("_")
+                found.append((module_name != "__main__", private, len(module_name), module_name, attribute))
+    return min(found)[3:] if found else None
 
 
 def attach_callback(field: TypeField, op: Opaque, patches: Patches,
