@@ -118,8 +118,8 @@ def test_following_the_warnings_advice_gives_the_same_exact_gradient_silently(da
     with pytest.warns(reprules.ReplicationWarning) as caught:
         _grad(advised_p.bind, mesh, True)(x, w)
     # The primitive named where the user reaches it (this module's attribute), each line pasted as printed.
-    fix = re.search(rf"`(import {__name__})`, `(import reprules)`, `(from reprules import rules)` and "
-                    rf"`(reprules\.replication_rule\(rules\.same\(\)\)\({__name__}\.advised_p\))`",
+    fix = re.search(rf"`(from {__name__} import advised_p)`, `(import reprules)`, `(from reprules import rules)` "
+                    r"and `(reprules\.replication_rule\(rules\.same\(\)\)\(advised_p\))`",
                     str(caught[0].message))
     assert fix, str(caught[0].message)
     exec("\n".join(fix.groups()), {})

@@ -90,14 +90,14 @@ def annotation_union_message(kernel: str, index: int, missing: Iterable[str], ty
 
 
 def sound_type_message(kind: str, name: str, site: str, short: Iterable[str], typed: Iterable[str],
-                       mesh_axes: Iterable[str], jax_version: str, target: str, module: str = "") -> str:
+                       mesh_axes: Iterable[str], jax_version: str, target: str, importing: str = "") -> str:
     """:class:`~reprules.ReplicationWarning`: a rule-less opaque call that JAX typed replicated
     over axes its inputs vary over, typed by the union of the inputs' axes instead (``target``:
-    what a rule is registered on, ``module`` what to import for it; callbacks have their own
-    message, with the decorator)."""
+    what a rule is registered on, ``importing`` the line that imports it; callbacks have their
+    own message, with the decorator)."""
     at = f" (called at {site})" if site else ""
     typed_text, short_text = fmt_axes(typed), fmt_axes(short)
-    fix = (f"declare how it varies, to silence this: {f'`import {module}`, ' if module else ''}"
+    fix = (f"declare how it varies, to silence this: {f'`{importing}`, ' if importing else ''}"
            "`import reprules`, `from reprules import rules` and "
            f"`reprules.replication_rule(rules.same())({target})` if it computes each output from its "
            f"inputs' values (as typed now); `rules.invariant({sorted(short)[0]!r})` instead if it all-reduces "

@@ -221,9 +221,9 @@ def warn(op: Opaque, params: dict[str, Any], union: frozenset[str], out_avals: S
     elif op.prim in callbacks.callbacks():
         message = _pure_callback_message(name, params, site, short, union)
     else:
-        target, module = _rule_target(op, name)
+        target, importing = _rule_target(op, name)
         message = out_types.sound_type_message(
-            op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=target, module=module)
+            op.kind, name, site, short, union, manual_axes(), _jax.JAX_VERSION, target=target, importing=importing)
     if user is None:
         warnings.warn(message, _errors.ReplicationWarning, stacklevel=3)
     else:  # attributed to the user's line, as warnings filters and pytest report it
@@ -247,8 +247,8 @@ def _io_callback_message(name: str, params: dict[str, Any], site: str, short: Se
 
 
 def _rule_target(op: Opaque, name: str) -> tuple[str, str]:
-    """What a rule for this call is registered on, as the user writes it, and the module to
-    import for it ("" for none)."""
+    """What a rule for this call is registered on, as the user writes it, and the line that
+    imports it ("" for none)."""
     if op.kind == "FFI target":
         return f"reprules.ffi_target({name!r})", ""
     if op.kind == "Triton kernel":
@@ -256,8 +256,10 @@ def _rule_target(op: Opaque, name: str) -> tuple[str, str]:
     found = _module_attribute(op.prim)
     if found is None:
         return f"<the {name!r} primitive>", ""
+    # `from m import a`, not `m.a`: a package may shadow its module with a function of the same
+    # name (eformer.callib.triton_call), which the attribute path would reach instead.
     module, attribute = found
-    return (attribute, "") if module == "__main__" else (f"{module}.{attribute}", module)
+    return attribute, "" if module == "__main__" else f"from {module} import {attribute}"
 
 
 def _module_attribute(obj: Any) -> tuple[str, str] | None:
