@@ -542,3 +542,66 @@ def test_a_hand_annotation_that_contradicts_the_body_is_refused(mesh):
     with reprules.inference(), reprules.strict(), pytest.raises(  # strict keeps the refusal (else: the union)
             reprules.RuleError, match=r"(?s)annotates output 0 as replicated over \{'data'\}.*" + CAST_UP):
         jax.jit(f)(x)
+
+
+# --- A kernel JAX types itself (out_shape like an operand) run by JAX's HLO interpreter ---
+
+
+def _like(x):
+    """``x``'s type as an out_shape, varying axes included (``jax.ShapeDtypeStruct.like``
+    on 0.12, as JAX's TPU flash attention annotates its dq kernel)."""
+    t = jax.typeof(x)
+    if hasattr(t, "vma"):  # 0.6 - 0.9
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, vma=t.vma)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, manual_axis_type=t.mat)
+
+
+def _mul_kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...] * w_ref[...]
+
+
+def _mul_grad_kernel(g_ref, w_ref, o_ref):
+    o_ref[...] = g_ref[...] * w_ref[...]
+
+
+@jax.custom_vjp
+def mul_annotated_bwd(x, w):
+    """Flash attention's shape: the forward kernel's out_shape says nothing (JAX refuses
+    it under checking), the backward's is annotated like its operand (JAX accepts it)."""
+    return pl.pallas_call(_mul_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x, w)
+
+
+def _mul_bwd(res, g):
+    x, w = res
+    dx = pl.pallas_call(_mul_grad_kernel, out_shape=_like(g), interpret=True)(g, w)
+    return dx, g * x
+
+
+mul_annotated_bwd.defvjp(lambda x, w: (mul_annotated_bwd(x, w), (x, w)), _mul_bwd)
+
+
+@pytest.mark.skipif(not NEW_SHARD_MAP, reason="out_shape carries varying axes from JAX 0.6 (check_vma)")
+def test_a_kernel_jax_types_itself_still_runs_once_its_rule_is_unregistered(mesh):
+    """JAX's HLO interpreter (``interpret=True``, ``force_tpu_interpret_mode(True)``) refuses
+    under checking a call with a varying operand, out_shape annotated or not. The
+    annotated kernel ran while a rule covered it (a pack's); once unregistered, inference
+    by default left it to JAX, and the gradient failed in JAX's interpreter."""
+    x = put(randn(0, (8, 16)), mesh, P("data", None))
+    w = put(randn(1, (2, 16)), mesh, P())  # one block, replicated
+    t = randn(2, (8, 16))
+
+    def programs(check):
+        f = shard_map(mul_annotated_bwd, mesh, (P("data", None), P()), P("data", None), check=check)
+        grad = jax.grad(lambda x, w: (f(x, w) * t).sum(), argnums=(0, 1))
+        return jax.jit(f)(x, w), jax.jit(grad)(x, w)  # traced anew on every call
+
+    out_off, (dx_off, dw_off) = programs(check=False)
+    for kernel in (_mul_kernel, _mul_grad_kernel):
+        reprules.replication_rule(rules.same())(kernel)
+    ran = [programs(check=True)]
+    for kernel in (_mul_kernel, _mul_grad_kernel):
+        reprules.unregister(kernel)
+    ran.append(programs(check=True))  # both kernels' rules derived by default
+    for out, (dx, dw) in ran:
+        assert max_err(out, out_off) == 0.0
+        assert max_err(dx, dx_off) == 0.0 and max_err(dw, dw_off) < 1e-5

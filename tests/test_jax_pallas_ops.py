@@ -304,6 +304,42 @@ def test_flash_attention_tpu():
         _no_collectives(grad, *args)
 
 
+def test_flash_attention_tpu_after_its_rules_are_unregistered():
+    """In JAX's HLO interpreter (``force_tpu_interpret_mode(True)``, as jax-flash-attn2
+    runs it), run with the pack's rules, then with them unregistered: inference by
+    default types all three kernels, the dq kernel too (from JAX 0.10 its out_shape is
+    ``ShapeDtypeStruct.like(q)``: JAX accepts it, its interpreter refuses it). The
+    second run failed in JAX's interpreter (a carry-type error, a RuleError for causal)."""
+    fa = _loaded("flash_attention_tpu")
+    _tpu_interpret()  # skips where JAX has no force_tpu_interpret_mode
+    from jax.experimental.pallas import tpu as pltpu
+
+    blocks = fa.BlockSizes(block_q=128, block_k_major=128, block_k=128, block_b=1,
+                           block_q_major_dkv=128, block_k_major_dkv=128, block_k_dkv=128,
+                           block_q_dkv=128, block_k_major_dq=128, block_k_dq=128, block_q_dq=128)
+    mesh = make_mesh()
+    spec = P("data", "model", None, None)
+    q, k, v = (randn(i, (4, 2, 128, 128)) for i in range(3))
+    t = randn(3, (4, 2, 128, 128))
+    args = tuple(put(a, mesh, spec) for a in (q, k, v))
+
+    def programs(check):  # traced anew on every call
+        f = shard_map(lambda *a: fa.flash_attention(*a, causal=True, block_sizes=blocks),
+                      mesh, (spec,) * 3, spec, check=check)
+        grad = jax.grad(lambda *a: (f(*a) * t).sum(), argnums=(0, 1, 2))
+        return jax.jit(f)(*args), jax.jit(grad)(*args)
+
+    with pltpu.force_tpu_interpret_mode(True):
+        out_off, grads_off = programs(check=False)
+        ran = [programs(check=True)]
+        for name in pack.KERNELS["flash_attention_tpu"]:
+            reprules.unregister(getattr(fa, name))
+        ran.append(programs(check=True))
+    for out, grads in ran:
+        assert max_err(out, out_off) == 0.0
+        assert all(max_err(g, g_off) == 0.0 for g, g_off in zip(grads, grads_off))
+
+
 def test_matmul_tpu():
     mm = _loaded("matmul_tpu")
     interpret = _tpu_interpret()  # skips first where TPU kernels cannot run on CPU at all (< 0.8)

@@ -270,11 +270,13 @@ class TypedPallasCall:
         unannotated = _unannotated.take(params.get("out_avals", ()))
         if reg is None:
             refusal = next((err for err in unannotated.values() if err is not None), None)
-            if refusal is None:
+            if refusal is None and not self._hlo_interpreter_refuses(params, args):
                 return bind(*args, **params)
             # JAX would refuse this call: the rule derived from its body, by default.
             reg = _resolve.infer_by_default(call)
             direct = True
+            if reg is None and refusal is None:
+                return bind(*args, **params)  # JAX's own lowering error stands
             if reg is None:
                 raise _errors.MissingRuleError(
                     advice.missing_rule_message(
@@ -298,6 +300,18 @@ class TypedPallasCall:
         decision, manual = decided
         with call_axes(manual, in_avals):
             return self._bind_decided(bind, args, call, reg, first, in_vary, out_avals, decision, unannotated)
+
+    def _hlo_interpreter_refuses(self, params: dict[str, Any], args: tuple[Any, ...]) -> bool:
+        """Whether JAX would refuse a call whose out_shape it accepted (annotated by
+        hand, or ``ShapeDtypeStruct.like`` an operand, as JAX's TPU flash attention's
+        dq kernel): JAX's HLO interpreter (``interpret=True``, also what
+        ``force_tpu_interpret_mode(True)`` picks) refuses under checking every call with a
+        varying operand, as it traces the body in its while loop (a vma or carry-type
+        error, 0.6.2 - 0.12). So such a call gets its rule by default too, and the
+        lowering fix runs it: it ran only while a rule was registered on it (a pack's),
+        and failed once that rule was unregistered."""
+        return (params.get("interpret") is True and checking()
+                and any(self.field.varying(jax.typeof(a)) for a in args))
 
     def _bind_decided(self, bind: Callable[..., Any], args: tuple[Any, ...], call: PallasCall,
                       reg: Registration, first: int, in_vary: tuple[frozenset[str], ...],
