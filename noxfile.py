@@ -189,14 +189,13 @@ def tests_upgrade_flags(session: nox.Session) -> None:
     # reprules' custom_vjp cotangent fix (which psums it with vjp3 off) does not reach it.
     # The flags change how JAX differentiates (custom_vjp, custom_jvp, remat), so the suite runs
     # without what the flags cannot change: the CLI, the HTML page, the docs' claims (forward
-    # only), the layering, the plugin's machinery and the second process of a multi-process run;
-    # the inference fuzzer (forward types) checks a tenth of its kernels, the program fuzzer (each
-    # program differentiated) the other versions' share.
+    # only), the layering, the plugin's machinery, the second process of a multi-process run and
+    # the inference fuzzer (forward types); the program fuzzer (each program differentiated) runs
+    # the other versions' share. The examples run once, below, under every announced default.
     unaffected = ["test_cli.py", "test_audit_html.py", "test_docs_claims.py", "test_layering.py", "test_plugin.py",
-                  "test_multiprocess.py"]
-    _run_tests(session, jax, tokamax=True, env=UPGRADE_FLAGS, counts=("30", "50"), deselect=[
-        BENCH_SMOKE, *(f"tests/test_maxtext.py::test_moe_gmm_forward_and_gradients[{route}-tokamax]"
-                       for route in ("ep", "fsdp"))],
+                  "test_multiprocess.py", "test_fuzz_inference.py", "test_examples.py"]
+    _run_tests(session, jax, tokamax=True, env=UPGRADE_FLAGS, counts=("0", "50"), deselect=[
+        *(f"tests/test_maxtext.py::test_moe_gmm_forward_and_gradients[{route}-tokamax]" for route in ("ep", "fsdp"))],
                files=["tests", *(arg for name in unaffected for arg in ("--ignore", f"tests/{name}"))])
     # (the benchmark's workloads use jax.nn.relu and gelu inside shard_map: refused by JAX there)
     session.run("python", "-m", "pytest", "-n", "auto", "tests/test_examples.py",

@@ -20,8 +20,14 @@ def pytest_sessionstart(session):
 
 @pytest.fixture(autouse=True)
 def _clean_registry():
-    """Every test starts and ends with no rules and no JAX patches."""
+    """Every test starts and ends with no rules and no JAX patches (cleared before too: a
+    test module's import-time registration would otherwise reach the worker's first test)."""
+    _unregister_all()
     yield
+    _unregister_all()
+
+
+def _unregister_all():
     for reg in list(reprules.registered().values()):
         kernel = reg.kernel()
         if kernel is not None:

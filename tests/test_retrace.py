@@ -32,9 +32,14 @@ MESH = make_mesh()
 SHARDS = 4  # x's rows over "data"
 
 
-@reprules.replication_rule()
 def copy_kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2.0
+
+
+@pytest.fixture(autouse=True)
+def _copy_kernel_rule():
+    """The kernel's declared rule in every test here (conftest clears the registry around each)."""
+    reprules.replication_rule()(copy_kernel)
 
 
 @jax.custom_vjp
