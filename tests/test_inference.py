@@ -9,6 +9,7 @@ communicate are refused with a teaching error.
 
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -605,3 +606,21 @@ def test_a_kernel_jax_types_itself_still_runs_once_its_rule_is_unregistered(mesh
     for out, (dx, dw) in ran:
         assert max_err(out, out_off) == 0.0
         assert max_err(dx, dx_off) == 0.0 and max_err(dw, dw_off) < 1e-5
+
+
+@pytest.mark.skipif(not NEW_SHARD_MAP, reason="out_shape carries varying axes from JAX 0.6 (check_vma)")
+def test_an_annotated_kernel_the_interpreter_refuses_is_a_missing_rule_without_inference(mesh, no_inference):
+    """The same annotated kernel with inference off: JAX alone fails at lowering, advising
+    check_vma=False; reprules says which kernel, why, and the rule to declare."""
+    x = put(randn(0, (8, 16)), mesh, P("data", None))
+    w = put(randn(1, (2, 16)), mesh, P())
+
+    def f(x, w):
+        return pl.pallas_call(_mul_grad_kernel, out_shape=_like(x), interpret=True)(x, w)
+
+    with pytest.raises(reprules.MissingRuleError, match=(
+            r"(?s)The Pallas kernel '_mul_grad_kernel' \(defined at .*test_inference.py:\d+\) has no replication "
+            rf"rule.*mesh axes \{{'data', 'model'\}}, JAX {re.escape(jax.__version__)}\).*"
+            r"reprules\.replication_rule\(rules\.same\(\)\)\(_mul_grad_kernel\).*inference is off here.*"
+            r"JAX's own error: none at this call; at lowering, its HLO interpreter \(interpret=True\) fails")):
+        jax.jit(shard_map(f, mesh, (P("data", None), P()), P("data", None)))(x, w)

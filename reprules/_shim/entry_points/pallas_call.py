@@ -275,13 +275,17 @@ class TypedPallasCall:
             # JAX would refuse this call: the rule derived from its body, by default.
             reg = _resolve.infer_by_default(call)
             direct = True
-            if reg is None and refusal is None:
-                return bind(*args, **params)  # JAX's own lowering error stands
             if reg is None:
+                # JAX's own failure, where it accepted the out_shape, comes at lowering and advises
+                # check_vma=False (a carry-type or "please open an issue" error): said here instead.
+                jax_error = str(refusal) if refusal is not None else (
+                    "none at this call; at lowering, its HLO interpreter (interpret=True) fails on any "
+                    "kernel with an operand that varies over a mesh axis, under checking, even with an "
+                    "annotated out_shape (a carry-type or varying-axes mismatch in its loop)")
                 raise _errors.MissingRuleError(
                     advice.missing_rule_message(
                         call.name, manual_axes(), _jax.JAX_VERSION,
-                        jax_error=str(refusal), inference=_resolve.inference_note(call, manual_axes()),
+                        jax_error=jax_error, inference=_resolve.inference_note(call, manual_axes()),
                         site=call.site_text, findings=_resolve.body_findings(call),
                         function=call.function_name,
                     )
