@@ -13,6 +13,7 @@ So the version and ``shard_map`` are the tests' own copies of
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -629,3 +630,20 @@ def collectives_under_varying_branches(stablehlo, steered_axes=None, mesh_axes=M
         if axes & steering:
             bad.append((what, axes))
     return bad
+
+
+@contextlib.contextmanager
+def lend_jax_core_primitive():
+    """``jax.core.Primitive`` (gone from JAX 0.12; ``jax.extend.core.Primitive`` since 0.4.36)
+    lent for an import, then taken back: eformer 0.0.15, jax-flash-attn2's pin, defines its
+    primitive with it (tests/test_flash_attn2.py, tests/test_gpu_only.py)."""
+    import jax.extend.core
+
+    missing = "Primitive" not in vars(jax.core)
+    if missing:
+        jax.core.Primitive = jax.extend.core.Primitive
+    try:
+        yield
+    finally:
+        if missing:
+            del jax.core.Primitive

@@ -17,13 +17,12 @@ primitive with ``jax.core.Primitive``, gone from JAX 0.12: the import borrows
 needs a GPU: tests/test_gpu_only.py.
 """
 
-import contextlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import max_err, psum_axes, put, shard_map
+from helpers import lend_jax_core_primitive, max_err, psum_axes, put, shard_map
 from jax.sharding import PartitionSpec as P
 
 from reprules import testing
@@ -33,22 +32,7 @@ INSTALL = ("jax-flash-attn2 is not installed. To run these tests: pip install --
            "(noxfile.py's FLASH_ATTN2 and FLASH_ATTN2_IMPORTS, as the coverage session installs them)")
 
 
-@contextlib.contextmanager
-def _lend_jax_core_primitive():
-    import jax.core
-    import jax.extend.core
-
-    missing = "Primitive" not in vars(jax.core)
-    if missing:
-        jax.core.Primitive = jax.extend.core.Primitive
-    try:
-        yield
-    finally:
-        if missing:
-            del jax.core.Primitive
-
-
-with _lend_jax_core_primitive():
+with lend_jax_core_primitive():
     fa = pytest.importorskip("jax_flash_attn2", reason=INSTALL)
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 

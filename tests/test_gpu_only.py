@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import max_err, psum_axes, put, shard_map
+from helpers import lend_jax_core_primitive, max_err, psum_axes, put, shard_map
 from jax.sharding import PartitionSpec as P
 
 from reprules import testing
@@ -104,26 +104,9 @@ def _check(make, reference, args, t, tol):
 
 # --- jax-flash-attn2's Triton platform -------------------------------------------------------------
 
-@contextlib.contextmanager
-def _lend_jax_core_primitive():
-    """eformer 0.0.15 (jax-flash-attn2's pin) defines its primitive with ``jax.core.Primitive``,
-    gone from JAX 0.12: lent for the import, then taken back (as tests/test_flash_attn2.py)."""
-    import jax.core
-    import jax.extend.core
-
-    missing = "Primitive" not in vars(jax.core)
-    if missing:
-        jax.core.Primitive = jax.extend.core.Primitive
-    try:
-        yield
-    finally:
-        if missing:
-            del jax.core.Primitive
-
-
 @pytest.fixture
 def flash_attn2():
-    with _lend_jax_core_primitive():
+    with lend_jax_core_primitive():
         return pytest.importorskip("jax_flash_attn2", reason=(
             "jax-flash-attn2 is not installed: pip install --no-deps jax-flash-attn2==0.0.3 eformer==0.0.15, then "
             "'reprules[triton]' chex 'einops<0.9' 'mergedeep<1.4' ray==2.42.1 'tblib<3.1' (noxfile.py's FLASH_ATTN2)"))
