@@ -17,6 +17,7 @@ from reprules import testing
 
 testing.fake_cpu_devices(8)  # first thing: 8 fake CPU devices, before JAX starts
 
+import functools  # noqa: E402
 import re  # noqa: E402
 
 import jax  # noqa: E402
@@ -90,12 +91,25 @@ def audit_step(check=True):
     x = jax.device_put(rng.randn(8, 128).astype(np.float32), NamedSharding(mesh, P("data", None)))
     w = rng.randn(2, 128).astype(np.float32)  # replicated: every device's block of x times it
     weights = rng.randn(8, 128).astype(np.float32)
-    sharded = testing.shard_map(lambda x, w: kernel_copy(x) * w, mesh, (P("data", None), P()), P("data", None),
-                                check=check)
+    def body(x, w):  # w meets x's blocks: cast to vary over 'data' (to_varying, below) where checked
+        return kernel_copy(x) * (to_varying(w, "data") if check else w)
+
+    sharded = testing.shard_map(body, mesh, (P("data", None), P()), P("data", None), check=check)
     x_host = np.asarray(x)
     reference = (weights * np.tile(w, (4, 1)), (x_host * weights).reshape(4, 2, 128).sum(0))  # d/dx, d/dw
     return {"step": jax.grad(lambda x, w: (sharded(x, w) * weights).sum(), argnums=(0, 1)), "args": (x, w),
             "reference": lambda: reference, "name": "issue21855"}
+
+
+# audit_step's cast of the replicated w to vary over 'data' where it meets x's blocks, with checking
+# on: the cast JAX inserts itself by default, written out as it asks with jax_auto_pcast off.
+if hasattr(jax.lax, "pcast"):  # JAX 0.8+
+    to_varying = functools.partial(jax.lax.pcast, to="varying")
+elif hasattr(jax.lax, "pvary"):  # JAX 0.6 - 0.7
+    to_varying = jax.lax.pvary
+else:  # JAX <= 0.5 (check_rep): no cast to write
+    def to_varying(w, axis):
+        return w
 
 
 if __name__ == "__main__":
