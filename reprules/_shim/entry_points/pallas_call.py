@@ -306,14 +306,12 @@ class TypedPallasCall:
             return self._bind_decided(bind, args, call, reg, first, in_vary, out_avals, decision, unannotated)
 
     def _hlo_interpreter_refuses(self, params: dict[str, Any], args: tuple[Any, ...]) -> bool:
-        """Whether JAX would refuse a call whose out_shape it accepted (annotated by
-        hand, or ``ShapeDtypeStruct.like`` an operand, as JAX's TPU flash attention's
-        dq kernel): JAX's HLO interpreter (``interpret=True``, also what
-        ``force_tpu_interpret_mode(True)`` picks) refuses under checking every call with a
-        varying operand, as it traces the body in its while loop (a vma or carry-type
-        error, 0.6.2 - 0.12). So such a call gets its rule by default too, and the
-        lowering fix runs it: it ran only while a rule was registered on it (a pack's),
-        and failed once that rule was unregistered."""
+        """Whether JAX will fail this call though it accepted its out_shape (annotated by
+        hand, or ``ShapeDtypeStruct.like`` an operand, as JAX 0.10+'s TPU flash attention's
+        dq kernel): under checking, JAX's HLO interpreter (``interpret=True``, also what
+        ``force_tpu_interpret_mode(True)`` picks) fails at lowering on every call with a
+        varying operand (a vma or carry-type error in its loop; measured on 0.6.2 - 0.12).
+        Such a call gets its rule by default too, and the lowering fix runs it."""
         return (params.get("interpret") is True and checking()
                 and any(self.field.varying(jax.typeof(a)) for a in args))
 
