@@ -141,10 +141,11 @@ class PallasCall:
         site = self.site
         if site is None or not site[2]:
             return None
-        for line in range(site[1], site[1] + 16):  # past the decorators
-            match = re.match(r"\s*(@)?(?:async\s+)?(?:def\s+(\w+))?", linecache.getline(site[0], line))
-            if match is None or match.group(2) or not match.group(1):
-                return match.group(2) if match else None
+        for line in range(site[1], site[1] + 16):
+            text = linecache.getline(site[0], line).strip()
+            if not text.startswith("@"):  # past the decorators: the def, else no name to give
+                match = re.match(r"def\s+(\w+)", text)
+                return match.group(1) if match else None
         return None
 
     @property
