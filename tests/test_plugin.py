@@ -7,15 +7,12 @@ import sys
 
 import pytest
 
+# Imported before any in-process inner session: pytester removes the modules an inner session
+# imported, and importing Pallas TPU again registers its PRNG again, which JAX refuses (a later
+# test that imports it failed, run without xdist).
+from jax.experimental.pallas import tpu  # noqa: F401
+
 pytest_plugins = ["pytester"]
-
-@pytest.fixture(autouse=True)
-def _pallas_tpu_loaded():
-    """Pallas TPU imported before any in-process inner session: pytester removes the modules an
-    inner session imported, and importing ``jax.experimental.pallas.tpu`` again registers its
-    PRNG again, which JAX refuses (a later test that imports it failed, run without xdist)."""
-    from jax.experimental.pallas import tpu  # noqa: F401
-
 
 # The entry point may not be installed in a stale editable install; load the
 # module explicitly instead, under a name the entry point cannot clash with.
