@@ -13,7 +13,7 @@ So the version and ``shard_map`` are the tests' own copies of
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 import os
 import pathlib
 import re
@@ -632,18 +632,11 @@ def collectives_under_varying_branches(stablehlo, steered_axes=None, mesh_axes=M
     return bad
 
 
-@contextlib.contextmanager
-def lend_jax_core_primitive():
-    """``jax.core.Primitive`` (gone from JAX 0.12; ``jax.extend.core.Primitive`` since 0.4.36)
-    lent for an import, then taken back: eformer 0.0.15, jax-flash-attn2's pin, defines its
-    primitive with it (tests/test_flash_attn2.py, tests/test_gpu_only.py)."""
-    import jax.extend.core
 
-    missing = "Primitive" not in vars(jax.core)
-    if missing:
-        jax.core.Primitive = jax.extend.core.Primitive
-    try:
-        yield
-    finally:
-        if missing:
-            del jax.core.Primitive
+def coverage_cases(name):
+    """``.ci/coverage/<name>.py``, the coverage script's cases, for a library's tests to reuse
+    (its inputs, references, and what the library needs to import)."""
+    coverage = str(pathlib.Path(__file__).resolve().parent.parent / ".ci" / "coverage")
+    if coverage not in sys.path:
+        sys.path.insert(0, coverage)
+    return importlib.import_module(name)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import lend_jax_core_primitive, max_err, psum_axes, put, shard_map
+from helpers import coverage_cases, max_err, psum_axes, put, shard_map
 from jax.sharding import PartitionSpec as P
 
 from reprules import testing
@@ -32,7 +32,7 @@ INSTALL = ("jax-flash-attn2 is not installed. To run these tests: pip install --
            "(noxfile.py's FLASH_ATTN2 and FLASH_ATTN2_IMPORTS, as the coverage session installs them)")
 
 
-with lend_jax_core_primitive():
+with coverage_cases("cases_flash_attn2").lend_jax_core_primitive():
     fa = pytest.importorskip("jax_flash_attn2", reason=INSTALL)
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 

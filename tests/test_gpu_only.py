@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import lend_jax_core_primitive, max_err, psum_axes, put, shard_map
+from helpers import coverage_cases, max_err, psum_axes, put, shard_map
 from jax.sharding import PartitionSpec as P
 
 from reprules import testing
@@ -106,7 +106,7 @@ def _check(make, reference, args, t, tol):
 
 @pytest.fixture
 def flash_attn2():
-    with lend_jax_core_primitive():
+    with coverage_cases("cases_flash_attn2").lend_jax_core_primitive():
         return pytest.importorskip("jax_flash_attn2", reason=(
             "jax-flash-attn2 is not installed: pip install --no-deps jax-flash-attn2==0.0.3 eformer==0.0.15, then "
             "'reprules[triton]' chex 'einops<0.9' 'mergedeep<1.4' ray==2.42.1 'tblib<3.1' (noxfile.py's FLASH_ATTN2)"))

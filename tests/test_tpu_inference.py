@@ -17,19 +17,13 @@ vLLM (and torch, which it imports) is not installed: ``cases_tpu_inference.stand
 gives vLLM's logger and ``tpu_inference.utils``' few kernel helpers (the library's own).
 """
 
-import importlib
-import pathlib
-import sys
-
 import jax
 import pytest
-from helpers import max_err, put, shard_map
+from helpers import coverage_cases, max_err, put, shard_map
 
 from reprules import testing
 
-COVERAGE = pathlib.Path(__file__).resolve().parent.parent / ".ci" / "coverage"
-sys.path.insert(0, str(COVERAGE))
-cases = importlib.import_module("cases_tpu_inference")
+cases = coverage_cases("cases_tpu_inference")
 cases.stand_ins()  # before the library's first import: vLLM's logger, where vLLM is absent
 pytest.importorskip(
     "tpu_inference.kernels.quantized_matmul.kernel",

@@ -12,7 +12,7 @@ memory spaces). The library accepts the Pallas platform only with ``backend="tpu
 (its own check), which the CPU run names explicitly. Reference: the library's
 ``basic_attention_refrence`` (``jnp``) on the whole arrays.
 
-Its Triton platform needs a GPU: ``cases_gpu_only.py``.
+Its Triton platform needs a GPU: ``tests/test_gpu_only.py``.
 """
 
 from __future__ import annotations
