@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
-from measure import Case
+from measure import Case, hlo_interpreter
 
 B, S, H, D = 4, 128, 4, 64  # each device: one sequence, two query heads
 
@@ -46,14 +46,6 @@ def import_flash_attn2():
     with lend_jax_core_primitive():
         import jax_flash_attn2
     return jax_flash_attn2
-
-
-@contextlib.contextmanager
-def _interpret():
-    from jax.experimental.pallas import tpu as pltpu
-
-    with pltpu.force_tpu_interpret_mode(True):  # interpret=True: the HLO interpreter, not TPU interpret mode
-        yield
 
 
 def _P(*a):
@@ -83,7 +75,7 @@ def _pallas(causal, kv_heads=H):
             return fa.basic_attention_refrence(q, k, v, causal=causal)
 
         return Case(lambda q, k, v: attn(q, k, v, causal=causal), _qkv(kv_heads), (heads, kv, kv), heads,
-                    grad_argnums=(0, 1, 2), reference=reference, context=_interpret, tol=1e-5, note=note)
+                    grad_argnums=(0, 1, 2), reference=reference, context=hlo_interpreter, tol=1e-5, note=note)
 
     return case
 

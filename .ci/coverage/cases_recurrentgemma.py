@@ -18,19 +18,9 @@ there the final-state op deadlocks against XLA's CPU all-reduce, checking off to
 
 from __future__ import annotations
 
-import contextlib
-
-from measure import Case
+from measure import Case, hlo_interpreter
 
 B, T, D = 8, 64, 128  # the kernel wants a width that is a multiple of 128 on each device
-
-
-@contextlib.contextmanager
-def _interpret():
-    from jax.experimental.pallas import tpu as pltpu
-
-    with pltpu.force_tpu_interpret_mode(True):  # interpret=True: the HLO interpreter, not TPU interpret mode
-        yield
 
 
 def _P(*a):
@@ -73,7 +63,7 @@ def _lru(layout, reverse=False, with_h0=True, final_state=False):
         if final_state:
             note += "; the final state returned replicated over model, as the library's own shard_map does"
         return Case(body, _inputs(D if seq else 2 * D), (spec, spec, state), out,
-                    grad_argnums=(0, 1, 2) if with_h0 else (0, 1), reference=ref, context=_interpret, tol=1e-5,
+                    grad_argnums=(0, 1, 2) if with_h0 else (0, 1), reference=ref, context=hlo_interpreter, tol=1e-5,
                     note=note)
 
     return case

@@ -38,6 +38,16 @@ class NotAvailable(Exception):
     """The op does not exist here (this JAX, this library version): its row says why."""
 
 
+@contextlib.contextmanager
+def hlo_interpreter():
+    """A :attr:`Case.context`: every ``pallas_call`` traced inside runs in Pallas' HLO
+    interpreter (``interpret=True``, not TPU interpret mode), for a library with no switch."""
+    from jax.experimental.pallas import tpu as pltpu  # lazily, as the cases: JAX after the child's devices
+
+    with pltpu.force_tpu_interpret_mode(True):
+        yield
+
+
 @dataclasses.dataclass
 class Case:
     fn: Callable[..., Any]  # the per-device body
